@@ -1,0 +1,131 @@
+// Tensors: an owning float32 buffer (`Tensor`) and cheap non-owning strided views (`TensorView`).
+//
+// Layout follows PyTorch: up to 4 dimensions, sizes and strides counted in elements, row-major
+// ("contiguous") when freshly allocated. A view never owns memory; it aliases the tensor it came
+// from, exactly like the result of `x.transpose(0, 1)` or `x[:n, :n]` in PyTorch, and must not
+// outlive it. `Tensor` *is a* view over its own 64-byte aligned storage, so every view method
+// works on both, and any function taking a `TensorView` accepts a `Tensor`.
+//
+// Operations that need contiguous memory (`view`) say so by throwing `ShapeError`; the explicit
+// `contiguous()` makes an owning row-major copy. Kernels read strides, so most functions accept
+// transposed or sliced views without copying.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace attn {
+
+inline constexpr int kMaxDims = 4;
+
+// A small fixed-capacity list of extents (sizes or strides). 0-D (a scalar) has numel() == 1.
+class Shape {
+ public:
+  Shape() = default;
+  Shape(std::initializer_list<int64_t> dims);
+  explicit Shape(std::span<const int64_t> dims);
+
+  int ndim() const { return n_; }
+  int64_t operator[](int i) const { return d_[i]; }
+  int64_t& operator[](int i) { return d_[i]; }
+  const int64_t* begin() const { return d_.data(); }
+  const int64_t* end() const { return d_.data() + n_; }
+  int64_t numel() const;  // product of the extents; throws ValueError on int64 overflow
+  std::string str() const;  // "[2, 6, 3]", as torch.Size prints its list
+  void push_back(int64_t v);
+
+  friend bool operator==(const Shape& a, const Shape& b);
+
+ private:
+  std::array<int64_t, kMaxDims> d_{};
+  int n_ = 0;
+};
+
+class Tensor;
+
+class TensorView {
+ public:
+  TensorView() = default;
+  TensorView(float* data, Shape shape);                  // row-major strides
+  TensorView(float* data, Shape shape, Shape strides);
+
+  float* data() const { return data_; }
+  const Shape& shape() const { return shape_; }
+  const Shape& strides() const { return strides_; }
+  int dim() const { return shape_.ndim(); }
+  int64_t numel() const { return shape_.numel(); }
+  int64_t size(int dim) const;    // negative dims count from the end, as in PyTorch
+  int64_t stride(int dim) const;
+  bool defined() const { return data_ != nullptr; }
+  bool is_contiguous() const;
+
+  // Bounds-checked element access (for tests, examples and the demo, not for kernels).
+  float& at(std::initializer_list<int64_t> index) const;
+  float item() const;  // the single element of a one-element tensor
+
+  // Views (no copy). Each throws ShapeError/IndexError naming the bad argument.
+  TensorView view(Shape shape) const;  // needs contiguous memory; one extent may be -1
+  TensorView transpose(int dim0, int dim1) const;
+  TensorView t() const;  // 2-D transpose (x.T of a matrix)
+  TensorView select(int dim, int64_t index) const;  // x[index] along dim, drops that dim
+  TensorView slice(int dim, int64_t start, int64_t end) const;  // x[start:end] along dim
+  TensorView unsqueeze(int dim) const;
+  TensorView squeeze(int dim) const;
+  TensorView expand(Shape shape) const;  // broadcast size-1 dims with stride 0
+
+  Tensor contiguous() const;  // always an owning row-major copy
+  std::vector<float> to_vector() const;  // elements in logical (row-major) order
+
+ protected:
+  float* data_ = nullptr;
+  Shape shape_;
+  Shape strides_;
+};
+
+// Owning, 64-byte aligned, row-major float32 tensor. Copying copies the data (value semantics);
+// moving is cheap. Views taken from a Tensor alias its storage.
+class Tensor : public TensorView {
+ public:
+  Tensor() = default;
+  explicit Tensor(Shape shape);  // zero-filled
+  Tensor(Shape shape, std::span<const float> values);  // values.size() must equal numel
+  Tensor(const Tensor& other);
+  Tensor& operator=(const Tensor& other);
+  Tensor(Tensor&& other) noexcept;
+  Tensor& operator=(Tensor&& other) noexcept;
+  ~Tensor() = default;
+
+  static Tensor zeros(Shape shape) { return Tensor(shape); }
+  static Tensor ones(Shape shape) { return full(shape, 1.0f); }
+  static Tensor full(Shape shape, float value);
+  static Tensor empty(Shape shape);  // uninitialised storage
+  // A tensor from nested data written row-major, e.g. Tensor::of({6, 3}, {0.43f, 0.15f, ...}).
+  static Tensor of(Shape shape, std::initializer_list<float> values);
+  static Tensor scalar(float value);  // 0-D
+
+ private:
+  struct FreeAligned {
+    void operator()(float* p) const;
+  };
+  std::unique_ptr<float[], FreeAligned> storage_;
+};
+
+// Row-major strides for a shape.
+Shape contiguous_strides(const Shape& shape);
+
+// The shape two shapes broadcast to (NumPy/PyTorch rules); throws ShapeError naming `what`.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* what);
+
+// Calls f(offset) for every element of `v` in logical row-major order, with the element's
+// offset from v.data(). The generic traversal used by elementwise code.
+template <typename F>
+void for_each_offset(const TensorView& v, F&& f);
+
+}  // namespace attn
+
+#include "attn/detail/tensor_iter.hpp"
