@@ -1,0 +1,217 @@
+// The chapter's attention modules. Each projects its input and hands the attention itself to
+// scaled_dot_product_attention, so the modules and the functional API cannot drift apart.
+#include <fmt/format.h>
+
+#include "attn/error.hpp"
+#include "attn/modules.hpp"
+
+namespace attn::nn {
+
+namespace {
+
+void require_positive(int64_t v, const char* module, const char* arg) {
+  if (v <= 0) throw ValueError(fmt::format("{}: {} must be positive, got {}", module, arg, v));
+}
+
+// x must be (num_tokens, d_in) or (b, num_tokens, d_in).
+void check_input(const TensorView& x, int64_t d_in, const char* module, bool batched_only) {
+  const bool rank_ok = batched_only ? x.dim() == 3 : (x.dim() == 2 || x.dim() == 3);
+  if (!x.defined() || !rank_ok || x.size(-1) != d_in || x.numel() == 0) {
+    throw ShapeError(fmt::format("{}: x must have shape {}(num_tokens > 0, d_in = {}), got {}", module,
+                                 batched_only ? "(b, num_tokens, d_in) = " : "(..., num_tokens, d_in) = ",
+                                 d_in, x.defined() ? x.shape().str() : "undefined"));
+  }
+}
+
+void check_context(const TensorView& x, int64_t context_length, const char* module) {
+  if (x.size(-2) > context_length) {
+    throw ShapeError(fmt::format("{}: num_tokens = {} exceeds context_length = {} (input shape {})",
+                                 module, x.size(-2), context_length, x.shape().str()));
+  }
+}
+
+Tensor causal_mask_buffer(int64_t context_length) {
+  return triu(Tensor::ones({context_length, context_length}), 1);
+}
+
+SdpaOptions causal_options(const Dropout& dropout, bool training) {
+  SdpaOptions o;
+  o.is_causal = true;
+  o.dropout_p = training ? dropout.p : 0.0f;
+  o.generator = dropout.generator;
+  return o;
+}
+
+}  // namespace
+
+// ---- SelfAttentionV1 ----------------------------------------------------------------------------
+
+SelfAttentionV1::SelfAttentionV1(int64_t d_in, int64_t d_out, Generator& gen) {
+  require_positive(d_in, "SelfAttentionV1", "d_in");
+  require_positive(d_out, "SelfAttentionV1", "d_out");
+  W_query = rand({d_in, d_out}, gen);
+  W_key = rand({d_in, d_out}, gen);
+  W_value = rand({d_in, d_out}, gen);
+}
+
+Tensor SelfAttentionV1::forward(const TensorView& x) const {
+  check_input(x, W_query.size(0), "SelfAttentionV1", false);
+  const Tensor keys = matmul(x, W_key), queries = matmul(x, W_query), values = matmul(x, W_value);
+  return scaled_dot_product_attention(queries, keys, values).output;
+}
+
+NamedTensors SelfAttentionV1::named_parameters() {
+  return {{"W_query", &W_query}, {"W_key", &W_key}, {"W_value", &W_value}};
+}
+
+// ---- SelfAttentionV2 ----------------------------------------------------------------------------
+
+SelfAttentionV2::SelfAttentionV2(int64_t d_in, int64_t d_out, bool qkv_bias, Generator& gen)
+    : W_query(d_in, d_out, qkv_bias, gen), W_key(d_in, d_out, qkv_bias, gen),
+      W_value(d_in, d_out, qkv_bias, gen) {}
+
+Tensor SelfAttentionV2::forward(const TensorView& x) const {
+  check_input(x, W_query.in_features, "SelfAttentionV2", false);
+  const Tensor keys = W_key.forward(x), queries = W_query.forward(x), values = W_value.forward(x);
+  return scaled_dot_product_attention(queries, keys, values).output;
+}
+
+NamedTensors SelfAttentionV2::named_parameters() {
+  NamedTensors p;
+  append_prefixed(p, "W_query", W_query.named_parameters());
+  append_prefixed(p, "W_key", W_key.named_parameters());
+  append_prefixed(p, "W_value", W_value.named_parameters());
+  return p;
+}
+
+// ---- CausalAttention ----------------------------------------------------------------------------
+
+CausalAttention::CausalAttention(int64_t d_in_, int64_t d_out_, int64_t context_length_,
+                                 float dropout_p, bool qkv_bias, Generator& gen)
+    : d_in(d_in_), d_out(d_out_), context_length(context_length_),
+      W_query(d_in_, d_out_, qkv_bias, gen), W_key(d_in_, d_out_, qkv_bias, gen),
+      W_value(d_in_, d_out_, qkv_bias, gen), dropout(dropout_p) {
+  require_positive(context_length, "CausalAttention", "context_length");
+  mask = causal_mask_buffer(context_length);
+}
+
+Tensor CausalAttention::forward(const TensorView& x) const {
+  check_input(x, d_in, "CausalAttention", true);
+  check_context(x, context_length, "CausalAttention");
+  const Tensor keys = W_key.forward(x), queries = W_query.forward(x), values = W_value.forward(x);
+  return scaled_dot_product_attention(queries, keys, values, causal_options(dropout, training_)).output;
+}
+
+NamedTensors CausalAttention::named_parameters() {
+  NamedTensors p;
+  append_prefixed(p, "W_query", W_query.named_parameters());
+  append_prefixed(p, "W_key", W_key.named_parameters());
+  append_prefixed(p, "W_value", W_value.named_parameters());
+  return p;
+}
+
+NamedTensors CausalAttention::named_buffers() { return {{"mask", &mask}}; }
+
+void CausalAttention::train(bool mode) {
+  Module::train(mode);
+  dropout.train(mode);
+}
+
+// ---- MultiHeadAttentionWrapper ----------------------------------------------------------------
+
+MultiHeadAttentionWrapper::MultiHeadAttentionWrapper(int64_t d_in, int64_t d_out,
+                                                     int64_t context_length, float dropout,
+                                                     int64_t num_heads, bool qkv_bias,
+                                                     Generator& gen) {
+  require_positive(num_heads, "MultiHeadAttentionWrapper", "num_heads");
+  heads.reserve(static_cast<size_t>(num_heads));
+  for (int64_t h = 0; h < num_heads; ++h) {
+    heads.emplace_back(d_in, d_out, context_length, dropout, qkv_bias, gen);
+  }
+}
+
+Tensor MultiHeadAttentionWrapper::forward(const TensorView& x) const {
+  std::vector<Tensor> outs;
+  for (const CausalAttention& head : heads) outs.push_back(head.forward(x));
+  std::vector<TensorView> views(outs.begin(), outs.end());
+  return cat(views, -1);
+}
+
+NamedTensors MultiHeadAttentionWrapper::named_parameters() {
+  NamedTensors p;
+  for (size_t h = 0; h < heads.size(); ++h) {
+    append_prefixed(p, "heads." + std::to_string(h), heads[h].named_parameters());
+  }
+  return p;
+}
+
+NamedTensors MultiHeadAttentionWrapper::named_buffers() {
+  NamedTensors p;
+  for (size_t h = 0; h < heads.size(); ++h) {
+    append_prefixed(p, "heads." + std::to_string(h), heads[h].named_buffers());
+  }
+  return p;
+}
+
+void MultiHeadAttentionWrapper::train(bool mode) {
+  Module::train(mode);
+  for (CausalAttention& head : heads) head.train(mode);
+}
+
+// ---- MultiHeadAttention -----------------------------------------------------------------------
+
+namespace {
+int64_t checked_head_dim(int64_t d_out, int64_t num_heads) {
+  require_positive(num_heads, "MultiHeadAttention", "num_heads");
+  require_positive(d_out, "MultiHeadAttention", "d_out");
+  if (d_out % num_heads != 0) {
+    throw ValueError(fmt::format("MultiHeadAttention: d_out must be divisible by num_heads, got "
+                                 "d_out = {}, num_heads = {}", d_out, num_heads));
+  }
+  return d_out / num_heads;
+}
+}  // namespace
+
+MultiHeadAttention::MultiHeadAttention(int64_t d_in_, int64_t d_out_, int64_t context_length_,
+                                       float dropout_p, int64_t num_heads_, bool qkv_bias,
+                                       Generator& gen)
+    : d_in(d_in_), d_out(d_out_), num_heads(num_heads_),
+      head_dim(checked_head_dim(d_out_, num_heads_)), context_length(context_length_),
+      W_query(d_in_, d_out_, qkv_bias, gen), W_key(d_in_, d_out_, qkv_bias, gen),
+      W_value(d_in_, d_out_, qkv_bias, gen), out_proj(d_out_, d_out_, true, gen),
+      dropout(dropout_p) {
+  require_positive(context_length, "MultiHeadAttention", "context_length");
+  mask = causal_mask_buffer(context_length);
+}
+
+Tensor MultiHeadAttention::forward(const TensorView& x) const {
+  check_input(x, d_in, "MultiHeadAttention", true);
+  check_context(x, context_length, "MultiHeadAttention");
+  const int64_t b = x.size(0), T = x.size(1);
+  const Tensor keys = W_key.forward(x), queries = W_query.forward(x), values = W_value.forward(x);
+  // (b, T, d_out) -> (b, T, H, hd) -> (b, H, T, hd): views, no copies.
+  auto split = [&](const Tensor& t) { return t.view({b, T, num_heads, head_dim}).transpose(1, 2); };
+  const Tensor context = scaled_dot_product_attention(split(queries), split(keys), split(values),
+                                                      causal_options(dropout, training_)).output;
+  // (b, H, T, hd) -> (b, T, H, hd) -> (b, T, d_out)
+  const Tensor merged = context.transpose(1, 2).contiguous();
+  return out_proj.forward(merged.view({b, T, d_out}));
+}
+
+NamedTensors MultiHeadAttention::named_parameters() {
+  NamedTensors p;
+  append_prefixed(p, "W_query", W_query.named_parameters());
+  append_prefixed(p, "W_key", W_key.named_parameters());
+  append_prefixed(p, "W_value", W_value.named_parameters());
+  append_prefixed(p, "out_proj", out_proj.named_parameters());
+  return p;
+}
+
+NamedTensors MultiHeadAttention::named_buffers() { return {{"mask", &mask}}; }
+
+void MultiHeadAttention::train(bool mode) {
+  Module::train(mode);
+  dropout.train(mode);
+}
+
+}  // namespace attn::nn

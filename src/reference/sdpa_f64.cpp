@@ -1,0 +1,67 @@
+// Float64 reference ("truth") for scaled dot-product attention: the same steps as the float32
+// reference, every product and sum in double. Tests measure float32 kernels against it.
+#include "attn/functional.hpp"
+#include "common/sdpa_check.hpp"
+#include "reference/sdpa_row.hpp"
+
+namespace attn::reference {
+
+SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const TensorView& k,
+                                               const TensorView& v, const SdpaOptions& options) {
+  const detail::SdpaProblem p = detail::check_sdpa(q, k, v, options);
+  SdpaResultF64 r;
+  r.weights_shape = p.lead;
+  r.weights_shape.push_back(p.L);
+  r.weights_shape.push_back(p.S);
+  r.output_shape = p.lead;
+  r.output_shape.push_back(p.L);
+  r.output_shape.push_back(p.Ev);
+  r.attn_weights.assign(static_cast<size_t>(p.batch * p.L * p.S), 0.0);
+  r.output.assign(static_cast<size_t>(p.batch * p.L * p.Ev), 0.0);
+
+  // The same keep-mask as the float32 path: draw from a copy of the generator's state.
+  std::vector<float> keep;
+  if (p.dropout_p > 0.0f) {
+    Generator gen = options.generator ? *options.generator : default_generator();
+    Tensor noise = Tensor::empty(r.weights_shape);
+    bernoulli_(noise, 1.0 - static_cast<double>(p.dropout_p), gen);
+    keep = noise.to_vector();
+  }
+  const int nd = q.dim();
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const float* qb = q.data() + detail::lead_offset(q, p.lead, b);
+    const float* kb = k.data() + detail::lead_offset(k, p.lead, b);
+    const float* vb = v.data() + detail::lead_offset(v, p.lead, b);
+    for (int64_t i = 0; i < p.L; ++i) {
+      double* row = r.attn_weights.data() + (b * p.L + i) * p.S;
+      for (int64_t j = 0; j < p.S; ++j) {
+        double s = 0.0;
+        for (int64_t e = 0; e < p.E; ++e) {
+          s += static_cast<double>(qb[i * q.stride(nd - 2) + e * q.stride(nd - 1)]) *
+               static_cast<double>(kb[j * k.stride(nd - 2) + e * k.stride(nd - 1)]);
+        }
+        row[j] = s;
+      }
+      const float* mrow = nullptr;
+      int64_t mstride = 0;
+      if (p.mask.defined()) {
+        mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(nd - 2);
+        mstride = p.mask.stride(nd - 1);
+      }
+      detail::attention_row(row, p, options.is_causal, i, mrow, mstride);
+      if (!keep.empty()) {
+        const double inv_keep = 1.0 / (1.0 - static_cast<double>(p.dropout_p));
+        for (int64_t j = 0; j < p.S; ++j) row[j] *= keep[static_cast<size_t>((b * p.L + i) * p.S + j)] * inv_keep;
+      }
+      double* out = r.output.data() + (b * p.L + i) * p.Ev;
+      for (int64_t j = 0; j < p.S; ++j) {
+        for (int64_t e = 0; e < p.Ev; ++e) {
+          out[e] += row[j] * static_cast<double>(vb[j * v.stride(nd - 2) + e * v.stride(nd - 1)]);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace attn::reference

@@ -1,0 +1,10 @@
+// Umbrella header: the whole public API of attn.
+#pragma once
+
+#include "attn/error.hpp"
+#include "attn/functional.hpp"
+#include "attn/modules.hpp"
+#include "attn/print.hpp"
+#include "attn/random.hpp"
+#include "attn/sdpa.hpp"
+#include "attn/tensor.hpp"

@@ -1,0 +1,77 @@
+// Scaled dot-product attention: the one functional core behind every attention module.
+//
+//   out = softmax(q @ k^T * scale + mask) @ v        (dropout applied to the weights)
+//
+// Semantics are torch.nn.functional.scaled_dot_product_attention's:
+//   query (..., L, E), key (..., S, E), value (..., S, Ev), output (..., L, Ev). The leading
+//   dims are (B, H), (H) or none ("unbatched"); key and value share query's leading dims.
+//   attn_mask broadcasts to (..., L, S) and is either boolean (true = the key position TAKES
+//   PART, as in PyTorch SDPA; the opposite of masked_fill's convention) or additive float.
+//   is_causal masks key j > query i (top-left alignment, PyTorch's). scale defaults to
+//   1/sqrt(E). dropout_p drops attention weights with PyTorch's bernoulli stream and
+//   1/(1-p) scaling, so a seed reproduces PyTorch's math path.
+//
+// Numerics policy: a query row whose every key is masked gets weights 0 and output 0 (PyTorch's
+// math path returns NaN there; a NaN would poison the rest of a model, so attn defines it).
+// NaN in an included score propagates.
+#pragma once
+
+#include <optional>
+
+#include "attn/random.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+// A mask with its meaning made explicit, so a float 0/1 tensor can never be silently read with
+// the wrong convention.
+struct AttnMask {
+  enum class Kind {
+    kBool,      // value != 0: the position takes part; value == 0: masked out
+    kAdditive,  // added to the scaled scores (use -inf to mask)
+  };
+  TensorView values;
+  Kind kind = Kind::kBool;
+
+  static AttnMask boolean(TensorView v) { return {v, Kind::kBool}; }
+  static AttnMask additive(TensorView v) { return {v, Kind::kAdditive}; }
+};
+
+// Which implementation computes the attention. kAuto picks the fastest available one; the
+// reference path materialises the L x S score matrix and is the one everything is tested against.
+enum class SdpaBackend { kAuto, kReference };
+
+struct SdpaOptions {
+  std::optional<AttnMask> attn_mask;
+  float dropout_p = 0.0f;             // in [0, 1); applied only when > 0
+  bool is_causal = false;             // may not be combined with attn_mask (as in PyTorch)
+  std::optional<double> scale;        // default 1/sqrt(E)
+  bool need_weights = false;          // also return the (post-dropout) attention weights
+  Generator* generator = nullptr;     // dropout draws; nullptr = default_generator()
+  SdpaBackend backend = SdpaBackend::kAuto;
+};
+
+struct SdpaResult {
+  Tensor output;        // (..., L, Ev)
+  Tensor attn_weights;  // (..., L, S) when need_weights, else undefined
+};
+
+SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
+                                        const TensorView& value, const SdpaOptions& options = {});
+
+namespace reference {
+
+// The same computation carried out entirely in float64 from the float32 inputs: the "truth"
+// that float32 kernels are measured against in tests. Dropout draws the same mask from a copy
+// of the generator state, so results are comparable with dropout too.
+struct SdpaResultF64 {
+  Shape output_shape, weights_shape;
+  std::vector<double> output, attn_weights;  // row-major
+};
+SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& query, const TensorView& key,
+                                               const TensorView& value,
+                                               const SdpaOptions& options = {});
+
+}  // namespace reference
+
+}  // namespace attn

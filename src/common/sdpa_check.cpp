@@ -1,0 +1,101 @@
+#include "sdpa_check.hpp"
+
+#include <cmath>
+#include <fmt/format.h>
+
+#include "attn/error.hpp"
+
+namespace attn::detail {
+
+SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const SdpaOptions& o) {
+  const char* names[3] = {"query", "key", "value"};
+  const TensorView* ts[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    if (!ts[i]->defined()) throw ValueError(fmt::format("scaled_dot_product_attention: {} is undefined", names[i]));
+    if (ts[i]->dim() < 2 || ts[i]->dim() > 4) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: {} must have 2 to 4 dims (..., seq, embed), got shape {}",
+          names[i], ts[i]->shape().str()));
+    }
+    if (ts[i]->numel() == 0) {
+      throw ShapeError(fmt::format("scaled_dot_product_attention: {} is empty (shape {})", names[i],
+                                   ts[i]->shape().str()));
+    }
+  }
+  if (k.dim() != q.dim() || v.dim() != q.dim()) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention: query, key and value must have the same number of dims, got "
+        "query {}, key {}, value {}", q.shape().str(), k.shape().str(), v.shape().str()));
+  }
+  SdpaProblem p{};
+  for (int i = 0; i < q.dim() - 2; ++i) {
+    if (k.size(i) != q.size(i) || v.size(i) != q.size(i)) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: key and value must have query's leading (batch, head) dims "
+          "{}, got query {}, key {}, value {}", Shape(std::span(q.shape().begin(), static_cast<size_t>(q.dim() - 2))).str(),
+          q.shape().str(), k.shape().str(), v.shape().str()));
+    }
+    p.lead.push_back(q.size(i));
+  }
+  p.batch = p.lead.numel();
+  p.L = q.size(-2);
+  p.E = q.size(-1);
+  p.S = k.size(-2);
+  p.Ev = v.size(-1);
+  if (k.size(-1) != p.E) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention: key's embed dim must equal query's ({}), got key shape {} "
+        "(query shape {})", p.E, k.shape().str(), q.shape().str()));
+  }
+  if (v.size(-2) != p.S) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention: value's sequence length must equal key's ({}), got value "
+        "shape {} (key shape {})", p.S, v.shape().str(), k.shape().str()));
+  }
+  if (!(o.dropout_p >= 0.0f && o.dropout_p < 1.0f)) {
+    throw ValueError(fmt::format("scaled_dot_product_attention: dropout_p must be in [0, 1), got {}",
+                                 o.dropout_p));
+  }
+  p.dropout_p = o.dropout_p;
+  if (o.is_causal && o.attn_mask) {
+    throw ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=true, not both");
+  }
+  if (o.scale) {
+    if (!std::isfinite(*o.scale)) {
+      throw ValueError(fmt::format("scaled_dot_product_attention: scale must be finite, got {}", *o.scale));
+    }
+    p.scale = *o.scale;
+    p.divide = false;
+  } else {
+    p.scale = 1.0 / std::sqrt(static_cast<double>(p.E));
+    p.divide = true;
+    p.divisor = static_cast<float>(std::sqrt(static_cast<double>(p.E)));
+  }
+  if (o.attn_mask) {
+    const TensorView& m = o.attn_mask->values;
+    Shape target = p.lead;
+    target.push_back(p.L);
+    target.push_back(p.S);
+    if (!m.defined() || m.dim() == 0 || m.dim() > target.ndim() ||
+        !(broadcast_shapes(m.shape(), target, "scaled_dot_product_attention (attn_mask)") == target)) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: attn_mask of shape {} does not broadcast to (..., L, S) = {}",
+          m.defined() ? m.shape().str() : "undefined", target.str()));
+    }
+    p.mask = m.expand(target);
+    p.mask_is_bool = o.attn_mask->kind == AttnMask::Kind::kBool;
+  }
+  return p;
+}
+
+int64_t lead_offset(const TensorView& t, const Shape& lead, int64_t b) {
+  int64_t off = 0;
+  for (int i = lead.ndim() - 1; i >= 0; --i) {
+    off += (b % lead[i]) * t.stride(i);
+    b /= lead[i];
+  }
+  return off;
+}
+
+}  // namespace attn::detail

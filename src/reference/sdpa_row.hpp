@@ -1,0 +1,46 @@
+// One row of the reference attention: scale, mask, softmax. Shared by the float32 and the
+// float64 ("truth") reference paths so they differ only in precision.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "common/sdpa_check.hpp"
+
+namespace attn::detail {
+
+// row[0..S) holds q_i . k_j on entry and the attention weights on exit.
+// mask_row is the (possibly strided) mask row for query i, or nullptr.
+template <typename T>
+void attention_row(T* row, const SdpaProblem& p, bool causal, int64_t i, const float* mask_row,
+                   int64_t mask_stride) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  T mx = neg_inf;
+  for (int64_t j = 0; j < p.S; ++j) {
+    T s = p.divide ? row[j] / static_cast<T>(p.divisor) : row[j] * static_cast<T>(p.scale);
+    if (causal && j > i) s = neg_inf;
+    if (mask_row != nullptr) {
+      const float m = mask_row[j * mask_stride];
+      if (p.mask_is_bool) {
+        if (m == 0.0f) s = neg_inf;
+      } else {
+        s += static_cast<T>(m);
+      }
+    }
+    row[j] = s;
+    if (s > mx) mx = s;
+  }
+  if (mx == neg_inf) {  // every key masked out: weights 0, so the output row is 0 (not NaN)
+    for (int64_t j = 0; j < p.S; ++j) row[j] = T(0);
+    return;
+  }
+  T sum = 0;
+  for (int64_t j = 0; j < p.S; ++j) {
+    row[j] = std::exp(row[j] - mx);
+    sum += row[j];
+  }
+  for (int64_t j = 0; j < p.S; ++j) row[j] /= sum;
+}
+
+}  // namespace attn::detail
