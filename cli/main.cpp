@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
       "Run `attn demo` to walk through chapter 3 of \"Build a Large Language Model (From\n"
       "Scratch)\": every tensor printed is the one PyTorch prints for the same code and seed."};
   app.require_subcommand(1);
+  app.footer(
+      "Each subcommand has its own --help. Tensors are printed in PyTorch's format; seeds give\n"
+      "PyTorch's weights and dropout masks (x86 AVX2 kernels, torch 1.13). Errors are reported\n"
+      "on one line with exit code 1; usage errors exit with 2.");
 
   std::string step;
   bool list = false;
@@ -59,7 +63,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int code = app.exit(e);  // prints the help or the usage error
+    return code == 0 ? 0 : 2;
   }
   try {
     if (demo->parsed()) return run_demo(step, list);

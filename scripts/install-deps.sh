@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what attn needs to build and test, from Debian's packages, if it is missing.
+# Idempotent and quiet when everything is present (no apt-get update then).
+set -euo pipefail
+
+packages=(cmake g++ make pkg-config libopenblas-dev libfmt-dev libcli11-dev libgtest-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "install-deps: installing ${missing[*]}" >&2
+sudo_cmd=()
+[ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -q
+"${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
