@@ -284,33 +284,30 @@ void step_dropout_weights(std::ostream& out) {
 
 void step_batch(std::ostream& out) { print(out, chapter_batch().shape()); }
 
-void step_causal_attention(std::ostream& out) {
-  const Tensor batch = chapter_batch();
-  manual_seed(123);
-  const nn::CausalAttention ca(3, 2, batch.size(1), 0.0f);
-  const Tensor context_vecs = ca.forward(batch);
+// print(context_vecs); print("context_vecs.shape:", context_vecs.shape) for a module built
+// after torch.manual_seed(123) (cells 121, 127, 131).
+template <typename Module>
+void print_on_batch(std::ostream& out, const Module& module) {
+  const Tensor context_vecs = module.forward(chapter_batch());
   print(out, context_vecs);
   print(out, "context_vecs.shape:", context_vecs.shape());
+}
+
+void step_causal_attention(std::ostream& out) {
+  manual_seed(123);
+  print_on_batch(out, nn::CausalAttention(3, 2, /*context_length=*/6, 0.0f));
 }
 
 // ---- steps: multi-head attention (3.6) ----------------------------------------------------------
 
 void step_mha_wrapper(std::ostream& out) {
-  const Tensor batch = chapter_batch();
   manual_seed(123);
-  const nn::MultiHeadAttentionWrapper mha(3, 2, batch.size(1), 0.0f, /*num_heads=*/2);
-  const Tensor context_vecs = mha.forward(batch);
-  print(out, context_vecs);
-  print(out, "context_vecs.shape:", context_vecs.shape());
+  print_on_batch(out, nn::MultiHeadAttentionWrapper(3, 2, 6, 0.0f, /*num_heads=*/2));
 }
 
 void step_mha(std::ostream& out) {
-  const Tensor batch = chapter_batch();
   manual_seed(123);
-  const nn::MultiHeadAttention mha(3, 2, batch.size(1), 0.0f, /*num_heads=*/2);
-  const Tensor context_vecs = mha.forward(batch);
-  print(out, context_vecs);
-  print(out, "context_vecs.shape:", context_vecs.shape());
+  print_on_batch(out, nn::MultiHeadAttention(3, 2, 6, 0.0f, /*num_heads=*/2));
 }
 
 Tensor heads_example() {

@@ -42,6 +42,15 @@ SdpaOptions causal_options(const Dropout& dropout, bool training) {
   return o;
 }
 
+// The three projections' parameters under their PyTorch names, in registration order.
+NamedTensors qkv_parameters(Linear& W_query, Linear& W_key, Linear& W_value) {
+  NamedTensors p;
+  append_prefixed(p, "W_query", W_query.named_parameters());
+  append_prefixed(p, "W_key", W_key.named_parameters());
+  append_prefixed(p, "W_value", W_value.named_parameters());
+  return p;
+}
+
 }  // namespace
 
 // ---- SelfAttentionV1 ----------------------------------------------------------------------------
@@ -77,11 +86,7 @@ Tensor SelfAttentionV2::forward(const TensorView& x) const {
 }
 
 NamedTensors SelfAttentionV2::named_parameters() {
-  NamedTensors p;
-  append_prefixed(p, "W_query", W_query.named_parameters());
-  append_prefixed(p, "W_key", W_key.named_parameters());
-  append_prefixed(p, "W_value", W_value.named_parameters());
-  return p;
+  return qkv_parameters(W_query, W_key, W_value);
 }
 
 // ---- CausalAttention ----------------------------------------------------------------------------
@@ -103,11 +108,7 @@ Tensor CausalAttention::forward(const TensorView& x) const {
 }
 
 NamedTensors CausalAttention::named_parameters() {
-  NamedTensors p;
-  append_prefixed(p, "W_query", W_query.named_parameters());
-  append_prefixed(p, "W_key", W_key.named_parameters());
-  append_prefixed(p, "W_value", W_value.named_parameters());
-  return p;
+  return qkv_parameters(W_query, W_key, W_value);
 }
 
 NamedTensors CausalAttention::named_buffers() { return {{"mask", &mask}}; }
@@ -199,10 +200,7 @@ Tensor MultiHeadAttention::forward(const TensorView& x) const {
 }
 
 NamedTensors MultiHeadAttention::named_parameters() {
-  NamedTensors p;
-  append_prefixed(p, "W_query", W_query.named_parameters());
-  append_prefixed(p, "W_key", W_key.named_parameters());
-  append_prefixed(p, "W_value", W_value.named_parameters());
+  NamedTensors p = qkv_parameters(W_query, W_key, W_value);
   append_prefixed(p, "out_proj", out_proj.named_parameters());
   return p;
 }
