@@ -37,8 +37,11 @@ class Module {
   virtual NamedTensors named_parameters() { return {}; }
   // Non-trainable state (e.g. the causal mask buffer).
   virtual NamedTensors named_buffers() { return {}; }
-  // Parameters then buffers, as torch's state_dict() lists them for these modules.
-  NamedTensors state_dict();
+  // torch's state_dict() order: the module's own parameters, then its own buffers, then each
+  // submodule's entries (recursively, in registration order). The default (parameters then
+  // buffers) is right for modules whose buffers are all their own and whose submodules own no
+  // buffers; modules owning a buffer and submodules override it (e.g. "mask" comes first).
+  virtual NamedTensors state_dict();
   int64_t num_parameters();
 
  protected:
@@ -109,6 +112,7 @@ class CausalAttention : public Module {
   Tensor forward(const TensorView& x) const;  // (b, num_tokens, d_in) -> (b, num_tokens, d_out)
   NamedTensors named_parameters() override;
   NamedTensors named_buffers() override;
+  NamedTensors state_dict() override;
   void train(bool mode = true) override;
 
   int64_t d_in, d_out, context_length;
@@ -126,6 +130,7 @@ class MultiHeadAttentionWrapper : public Module {
   Tensor forward(const TensorView& x) const;  // -> (b, num_tokens, num_heads * d_out)
   NamedTensors named_parameters() override;
   NamedTensors named_buffers() override;
+  NamedTensors state_dict() override;
   void train(bool mode = true) override;
 
   std::vector<CausalAttention> heads;
@@ -141,6 +146,7 @@ class MultiHeadAttention : public Module {
   Tensor forward(const TensorView& x) const;  // (b, num_tokens, d_in) -> (b, num_tokens, d_out)
   NamedTensors named_parameters() override;
   NamedTensors named_buffers() override;
+  NamedTensors state_dict() override;
   void train(bool mode = true) override;
 
   int64_t d_in, d_out, num_heads, head_dim, context_length;

@@ -43,7 +43,7 @@ enum class SdpaBackend { kAuto, kReference };
 
 struct SdpaOptions {
   std::optional<AttnMask> attn_mask;
-  float dropout_p = 0.0f;             // in [0, 1); applied only when > 0
+  float dropout_p = 0.0f;             // in [0, 1]; 1 drops every weight (no draws), as F.dropout
   bool is_causal = false;             // may not be combined with attn_mask (as in PyTorch)
   std::optional<double> scale;        // default 1/sqrt(E)
   bool need_weights = false;          // also return the (post-dropout) attention weights

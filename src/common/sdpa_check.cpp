@@ -7,6 +7,18 @@
 
 namespace attn::detail {
 
+namespace {
+// True if `from` broadcasts to exactly `to` (PyTorch's expand rules).
+bool broadcasts_to(const Shape& from, const Shape& to) {
+  if (from.ndim() == 0 || from.ndim() > to.ndim()) return false;
+  for (int i = 1; i <= from.ndim(); ++i) {
+    const int64_t f = from[from.ndim() - i], t = to[to.ndim() - i];
+    if (f != t && f != 1) return false;
+  }
+  return true;
+}
+}  // namespace
+
 SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorView& v,
                        const SdpaOptions& o) {
   const char* names[3] = {"query", "key", "value"};
@@ -53,8 +65,8 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
         "scaled_dot_product_attention: value's sequence length must equal key's ({}), got value "
         "shape {} (key shape {})", p.S, v.shape().str(), k.shape().str()));
   }
-  if (!(o.dropout_p >= 0.0f && o.dropout_p < 1.0f)) {
-    throw ValueError(fmt::format("scaled_dot_product_attention: dropout_p must be in [0, 1), got {}",
+  if (!(o.dropout_p >= 0.0f && o.dropout_p <= 1.0f)) {
+    throw ValueError(fmt::format("scaled_dot_product_attention: dropout_p must be in [0, 1], got {}",
                                  o.dropout_p));
   }
   p.dropout_p = o.dropout_p;
@@ -77,8 +89,7 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
     Shape target = p.lead;
     target.push_back(p.L);
     target.push_back(p.S);
-    if (!m.defined() || m.dim() == 0 || m.dim() > target.ndim() ||
-        !(broadcast_shapes(m.shape(), target, "scaled_dot_product_attention (attn_mask)") == target)) {
+    if (!m.defined() || !broadcasts_to(m.shape(), target)) {
       throw ShapeError(fmt::format(
           "scaled_dot_product_attention: attn_mask of shape {} does not broadcast to (..., L, S) = {}",
           m.defined() ? m.shape().str() : "undefined", target.str()));

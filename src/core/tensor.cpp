@@ -98,10 +98,18 @@ TensorView::TensorView(float* data, Shape shape, Shape strides)
   }
 }
 
-int64_t TensorView::size(int dim) const { return shape_[wrap_dim(dim, this->dim(), "size")]; }
-int64_t TensorView::stride(int dim) const { return strides_[wrap_dim(dim, this->dim(), "stride")]; }
+// A 0-D tensor has no extent to report (wrap_dim accepts dim 0/-1 for it, as transpose needs).
+int64_t TensorView::size(int dim) const {
+  if (this->dim() == 0) throw IndexError(fmt::format("size: dim {} given for a 0-D tensor", dim));
+  return shape_[wrap_dim(dim, this->dim(), "size")];
+}
+int64_t TensorView::stride(int dim) const {
+  if (this->dim() == 0) throw IndexError(fmt::format("stride: dim {} given for a 0-D tensor", dim));
+  return strides_[wrap_dim(dim, this->dim(), "stride")];
+}
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // as in PyTorch: an empty tensor is contiguous whatever its strides
   int64_t expected = 1;
   for (int i = dim() - 1; i >= 0; --i) {
     if (shape_[i] == 1) continue;

@@ -17,8 +17,8 @@ void require_positive(int64_t v, const char* module, const char* arg) {
 void check_input(const TensorView& x, int64_t d_in, const char* module, bool batched_only) {
   const bool rank_ok = batched_only ? x.dim() == 3 : (x.dim() == 2 || x.dim() == 3);
   if (!x.defined() || !rank_ok || x.size(-1) != d_in || x.numel() == 0) {
-    throw ShapeError(fmt::format("{}: x must have shape {}(num_tokens > 0, d_in = {}), got {}", module,
-                                 batched_only ? "(b, num_tokens, d_in) = " : "(..., num_tokens, d_in) = ",
+    throw ShapeError(fmt::format("{}: x must have shape {} with num_tokens > 0 and d_in = {}, got {}",
+                                 module, batched_only ? "(b, num_tokens, d_in)" : "(..., num_tokens, d_in)",
                                  d_in, x.defined() ? x.shape().str() : "undefined"));
   }
 }
@@ -113,6 +113,14 @@ NamedTensors CausalAttention::named_parameters() {
 
 NamedTensors CausalAttention::named_buffers() { return {{"mask", &mask}}; }
 
+// torch lists a module's own buffer before its submodules' parameters: "mask", "W_query.weight", ...
+NamedTensors CausalAttention::state_dict() {
+  NamedTensors all = named_buffers();
+  NamedTensors params = named_parameters();
+  all.insert(all.end(), params.begin(), params.end());
+  return all;
+}
+
 void CausalAttention::train(bool mode) {
   Module::train(mode);
   dropout.train(mode);
@@ -132,6 +140,8 @@ MultiHeadAttentionWrapper::MultiHeadAttentionWrapper(int64_t d_in, int64_t d_out
 }
 
 Tensor MultiHeadAttentionWrapper::forward(const TensorView& x) const {
+  check_input(x, heads.front().d_in, "MultiHeadAttentionWrapper", true);
+  check_context(x, heads.front().context_length, "MultiHeadAttentionWrapper");
   std::vector<Tensor> outs;
   for (const CausalAttention& head : heads) outs.push_back(head.forward(x));
   std::vector<TensorView> views(outs.begin(), outs.end());
@@ -150,6 +160,14 @@ NamedTensors MultiHeadAttentionWrapper::named_buffers() {
   NamedTensors p;
   for (size_t h = 0; h < heads.size(); ++h) {
     append_prefixed(p, "heads." + std::to_string(h), heads[h].named_buffers());
+  }
+  return p;
+}
+
+NamedTensors MultiHeadAttentionWrapper::state_dict() {
+  NamedTensors p;
+  for (size_t h = 0; h < heads.size(); ++h) {
+    append_prefixed(p, "heads." + std::to_string(h), heads[h].state_dict());
   }
   return p;
 }
@@ -206,6 +224,13 @@ NamedTensors MultiHeadAttention::named_parameters() {
 }
 
 NamedTensors MultiHeadAttention::named_buffers() { return {{"mask", &mask}}; }
+
+NamedTensors MultiHeadAttention::state_dict() {
+  NamedTensors all = named_buffers();
+  NamedTensors params = named_parameters();
+  all.insert(all.end(), params.begin(), params.end());
+  return all;
+}
 
 void MultiHeadAttention::train(bool mode) {
   Module::train(mode);

@@ -74,7 +74,6 @@ Tensor sum(const TensorView& x) {
 
 Tensor sum(const TensorView& x, int dim, bool keepdim) {
   const int d = wrap(dim, x.dim(), "sum");
-  const TensorView moved = x.transpose(d, x.dim() - 1);  // reduce over the last dim
   Shape out_shape;
   for (int i = 0; i < x.dim(); ++i) {
     if (i != d) out_shape.push_back(x.size(i));
@@ -82,10 +81,13 @@ Tensor sum(const TensorView& x, int dim, bool keepdim) {
   }
   Tensor out = Tensor::empty(out_shape);
   const int64_t n = x.size(d), stride = x.stride(d);
-  Shape outer_shape;
-  for (int i = 0; i < x.dim() - 1; ++i) outer_shape.push_back(moved.size(i));
-  Shape outer_strides;
-  for (int i = 0; i < x.dim() - 1; ++i) outer_strides.push_back(moved.stride(i));
+  // The remaining dims in their original order (the output's order), each with x's stride.
+  Shape outer_shape, outer_strides;
+  for (int i = 0; i < x.dim(); ++i) {
+    if (i == d) continue;
+    outer_shape.push_back(x.size(i));
+    outer_strides.push_back(x.stride(i));
+  }
   const TensorView outer(x.data(), outer_shape, outer_strides);
   float* dst = out.data();
   for_each_offset(outer, [&](int64_t o) {

@@ -21,7 +21,9 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const Tensor
 
   // The same keep-mask as the float32 path: draw from a copy of the generator's state.
   std::vector<float> keep;
-  if (p.dropout_p > 0.0f) {
+  if (p.dropout_p == 1.0f) {
+    keep.assign(r.attn_weights.size(), 0.0f);  // everything dropped, nothing drawn (F.dropout)
+  } else if (p.dropout_p > 0.0f) {
     Generator gen = options.generator ? *options.generator : default_generator();
     Tensor noise = Tensor::empty(r.weights_shape);
     bernoulli_(noise, 1.0 - static_cast<double>(p.dropout_p), gen);
@@ -50,7 +52,7 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const Tensor
       }
       detail::attention_row(row, p, options.is_causal, i, mrow, mstride);
       if (!keep.empty()) {
-        const double inv_keep = 1.0 / (1.0 - static_cast<double>(p.dropout_p));
+        const double inv_keep = p.dropout_p == 1.0f ? 0.0 : 1.0 / (1.0 - static_cast<double>(p.dropout_p));
         for (int64_t j = 0; j < p.S; ++j) row[j] *= keep[static_cast<size_t>((b * p.L + i) * p.S + j)] * inv_keep;
       }
       double* out = r.output.data() + (b * p.L + i) * p.Ev;

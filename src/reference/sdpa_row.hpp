@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "common/sdpa_check.hpp"
 
@@ -16,9 +17,13 @@ template <typename T>
 void attention_row(T* row, const SdpaProblem& p, bool causal, int64_t i, const float* mask_row,
                    int64_t mask_stride) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
+  // float32 divides by sqrt(E) rounded to float (PyTorch's `scores / d_k**0.5`); the float64
+  // truth divides by sqrt(E) in double, so it carries no float32 rounding of the scale.
+  const T divisor = std::is_same_v<T, float> ? static_cast<T>(p.divisor)
+                                             : static_cast<T>(std::sqrt(static_cast<double>(p.E)));
   T mx = neg_inf;
   for (int64_t j = 0; j < p.S; ++j) {
-    T s = p.divide ? row[j] / static_cast<T>(p.divisor) : row[j] * static_cast<T>(p.scale);
+    T s = p.divide ? row[j] / divisor : row[j] * static_cast<T>(p.scale);
     if (causal && j > i) s = neg_inf;
     if (mask_row != nullptr) {
       const float m = mask_row[j * mask_stride];
@@ -29,7 +34,7 @@ void attention_row(T* row, const SdpaProblem& p, bool causal, int64_t i, const f
       }
     }
     row[j] = s;
-    if (s > mx) mx = s;
+    if (s > mx || std::isnan(s)) mx = s;  // a NaN max makes the whole row NaN (it propagates)
   }
   if (mx == neg_inf) {  // every key masked out: weights 0, so the output row is 0 (not NaN)
     for (int64_t j = 0; j < p.S; ++j) row[j] = T(0);

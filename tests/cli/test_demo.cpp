@@ -13,6 +13,11 @@
 #include "demo.hpp"
 #include "fixture.hpp"
 
+namespace attn::demo {
+// Names parameterised tests by the step instead of a byte dump.
+void PrintTo(const Step& step, std::ostream* os) { *os << step.name; }
+}  // namespace attn::demo
+
 namespace {
 
 std::string strip_grad_fn(const std::string& s) {
