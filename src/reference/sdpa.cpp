@@ -17,18 +17,19 @@ SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorVie
                                         const TensorView& value, const SdpaOptions& options) {
   const detail::SdpaProblem p = detail::check_sdpa(query, key, value, options);
   Tensor weights = matmul(query, key.transpose(-2, -1));  // (lead..., L, S), contiguous
-  for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t i = 0; i < p.L; ++i) {
-      const float* mrow = nullptr;
-      int64_t mstride = 0;
-      if (p.mask.defined()) {
-        const int nd = p.mask.dim();
-        mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(nd - 2);
-        mstride = p.mask.stride(nd - 1);
-      }
-      detail::attention_row(weights.data() + (b * p.L + i) * p.S, p, options.is_causal, i, mrow,
-                            mstride);
+  // Rows are independent; dropout below stays sequential so the random stream keeps its order.
+  const int64_t rows = p.batch * p.L;
+#pragma omp parallel for schedule(static) if (rows * p.S > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = r / p.L, i = r % p.L;
+    const float* mrow = nullptr;
+    int64_t mstride = 0;
+    if (p.mask.defined()) {
+      const int nd = p.mask.dim();
+      mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(nd - 2);
+      mstride = p.mask.stride(nd - 1);
     }
+    detail::attention_row(weights.data() + r * p.S, p, options.is_causal, i, mrow, mstride);
   }
   if (p.dropout_p > 0.0f) {
     Generator& gen = options.generator ? *options.generator : default_generator();
