@@ -37,23 +37,51 @@ struct AttnMask {
   static AttnMask additive(TensorView v) { return {v, Kind::kAdditive}; }
 };
 
-// Which implementation computes the attention. kAuto picks the fastest available one; the
-// reference path materialises the L x S score matrix and is the one everything is tested against.
-enum class SdpaBackend { kAuto, kReference };
+// Which implementation computes the attention.
+//   kReference: materialises the L x S score matrix (src/reference); everything is tested
+//               against it, and the chapter's modules print through it.
+//   kFused:     the fused CPU kernel (src/cpu): tiles over query and key blocks with an online
+//               softmax, O(L) memory. Dropout needs DropoutRng::kPhilox there.
+//   kAuto:      kFused unless the call uses something only the reference supports
+//               (dropout with DropoutRng::kTorch), then kReference.
+enum class SdpaBackend { kAuto, kReference, kFused };
+
+// Where the diagonal of an is_causal mask sits when L != S.
+//   kTopLeft (PyTorch's is_causal): query i sees keys j <= i.
+//   kBottomRight (decoding with a KV cache): query i sees keys j <= i + (S - L), so the last
+//   query sees every key.
+enum class CausalAlignment { kTopLeft, kBottomRight };
+
+// Which random stream drops attention weights.
+//   kTorch:  PyTorch's CPU bernoulli stream from `generator`, in memory order of the (..., L, S)
+//            weights: with the same seed, the same mask as PyTorch's math path (reference only).
+//   kPhilox: counter-based Philox4x32-10 keyed by (dropout_seed, dropout_offset) and indexed by
+//            (batch*head, query, key): the same mask whatever the tiling, backend or thread
+//            count, so the fused kernel and the reference agree.
+enum class DropoutRng { kTorch, kPhilox };
 
 struct SdpaOptions {
   std::optional<AttnMask> attn_mask;
   float dropout_p = 0.0f;             // in [0, 1]; 1 drops every weight (no draws), as F.dropout
   bool is_causal = false;             // may not be combined with attn_mask (as in PyTorch)
+  CausalAlignment causal_alignment = CausalAlignment::kTopLeft;
   std::optional<double> scale;        // default 1/sqrt(E)
+  bool enable_gqa = false;            // key/value may have H_kv heads, H_q a multiple of H_kv
   bool need_weights = false;          // also return the (post-dropout) attention weights
-  Generator* generator = nullptr;     // dropout draws; nullptr = default_generator()
+  bool need_lse = false;              // also return the per-row log-sum-exp of the scaled scores
+  DropoutRng dropout_rng = DropoutRng::kTorch;
+  Generator* generator = nullptr;     // kTorch draws; nullptr = default_generator()
+  uint64_t dropout_seed = 0;          // kPhilox key
+  uint64_t dropout_offset = 0;        // kPhilox: advance between calls for a fresh mask
   SdpaBackend backend = SdpaBackend::kAuto;
+  int num_threads = 0;                // fused kernel threads; 0 = OpenMP's default
 };
 
 struct SdpaResult {
   Tensor output;        // (..., L, Ev)
   Tensor attn_weights;  // (..., L, S) when need_weights, else undefined
+  Tensor lse;           // (..., L) when need_lse: log(sum_j exp(score_ij)), -inf for a row
+                        // with every key masked; else undefined
 };
 
 SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,

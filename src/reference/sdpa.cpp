@@ -8,14 +8,13 @@
 
 #include "attn/error.hpp"
 #include "attn/functional.hpp"
-#include "common/sdpa_check.hpp"
+#include "common/sdpa_backends.hpp"
 #include "reference/sdpa_row.hpp"
 
-namespace attn {
+namespace attn::reference {
 
-SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
-                                        const TensorView& value, const SdpaOptions& options) {
-  const detail::SdpaProblem p = detail::check_sdpa(query, key, value, options);
+SdpaResult sdpa_forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                        const SdpaOptions& options, const detail::SdpaProblem& p) {
   Tensor weights = matmul(query, key.transpose(-2, -1));  // (lead..., L, S), contiguous
   // Rows are independent; dropout below stays sequential so the random stream keeps its order.
   const int64_t rows = p.batch * p.L;
@@ -41,4 +40,4 @@ SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorVie
   return r;
 }
 
-}  // namespace attn
+}  // namespace attn::reference

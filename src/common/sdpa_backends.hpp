@@ -1,0 +1,18 @@
+// The backends behind attn::scaled_dot_product_attention (src/common/sdpa_dispatch.cpp picks
+// one). Each receives arguments already validated by check_sdpa.
+#pragma once
+
+#include "attn/sdpa.hpp"
+#include "common/sdpa_check.hpp"
+
+namespace attn::reference {
+SdpaResult sdpa_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SdpaOptions& options, const detail::SdpaProblem& problem);
+}  // namespace attn::reference
+
+namespace attn::cpu {
+// True if the fused kernel handles these options (else the dispatcher uses the reference).
+bool fused_supports(const SdpaOptions& options);
+SdpaResult flash_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const SdpaOptions& options, const detail::SdpaProblem& problem);
+}  // namespace attn::cpu

@@ -1,0 +1,29 @@
+// attn::scaled_dot_product_attention: validate once, then hand the problem to a backend.
+#include <fmt/format.h>
+
+#include "attn/error.hpp"
+#include "common/sdpa_backends.hpp"
+
+namespace attn {
+
+SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
+                                        const TensorView& value, const SdpaOptions& options) {
+  const detail::SdpaProblem p = detail::check_sdpa(query, key, value, options);
+  switch (options.backend) {
+    case SdpaBackend::kReference:
+      return reference::sdpa_forward(query, key, value, options, p);
+    case SdpaBackend::kFused:
+      if (!cpu::fused_supports(options)) {
+        throw ValueError(
+            "scaled_dot_product_attention: backend kFused does not support dropout with "
+            "DropoutRng::kTorch (PyTorch's sequential stream); use DropoutRng::kPhilox or kAuto");
+      }
+      return cpu::flash_forward(query, key, value, options, p);
+    case SdpaBackend::kAuto:
+      break;
+  }
+  if (cpu::fused_supports(options)) return cpu::flash_forward(query, key, value, options, p);
+  return reference::sdpa_forward(query, key, value, options, p);
+}
+
+}  // namespace attn
