@@ -1,10 +1,12 @@
 // The `attn` command-line tool. Subcommands are thin: they parse arguments (CLI11) and call the
 // library; every attn::Error becomes one line on stderr and exit code 1.
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <fmt/format.h>
 #include <iostream>
 
 #include "attn/error.hpp"
+#include "bench.hpp"
 #include "demo.hpp"
 
 namespace {
@@ -41,7 +43,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "attn: attention mechanisms of transformer language models, with PyTorch's numbers.\n"
       "Run `attn demo` to walk through chapter 3 of \"Build a Large Language Model (From\n"
-      "Scratch)\": every tensor printed is the one PyTorch prints for the same code and seed."};
+      "Scratch)\": every tensor printed is the one PyTorch prints for the same code and seed.\n"
+      "Run `attn bench` to time the attention kernels against the machine's FMA peak."};
   app.require_subcommand(1);
   app.footer(
       "Each subcommand has its own --help. Tensors are printed in PyTorch's format; seeds give\n"
@@ -60,6 +63,31 @@ int main(int argc, char** argv) {
   demo->add_flag("--list", list, "List the steps and exit");
   demo->footer("Steps:\n" + step_list());
 
+  attn::bench::BenchConfig bench_config;
+  int64_t kv_heads = 0, seq_kv = 0;
+  int threads = 0;
+  CLI::App* bench = app.add_subcommand(
+      "bench",
+      "Time scaled_dot_product_attention on random q (B, H, L, E) and k, v (B, Hkv, S, E):\n"
+      "median and min of the timed runs, GFLOP/s (4*B*H*L*S*E, halved when causal), the FMA\n"
+      "peak measured in the same run on the same threads, peak RSS and the BLAS core.");
+  bench->add_option("--batch", bench_config.batch, "Batch size B")->capture_default_str();
+  bench->add_option("--heads", bench_config.heads, "Query heads H")->capture_default_str();
+  CLI::Option* kv_heads_opt =
+      bench->add_option("--kv-heads", kv_heads, "Key/value heads Hkv (default: H; GQA if fewer)");
+  bench->add_option("--seq", bench_config.seq, "Query length L")->capture_default_str();
+  CLI::Option* seq_kv_opt = bench->add_option("--seq-kv", seq_kv, "Key/value length S (default: L)");
+  bench->add_option("--dim", bench_config.dim, "Head dimension E")->capture_default_str();
+  bench->add_flag("--causal", bench_config.causal, "Causal mask (top-left, as PyTorch's is_causal)");
+  CLI::Option* threads_opt = bench->add_option(
+      "--threads", threads, "OpenMP and OpenBLAS threads (default: every core)");
+  bench->add_option("--repeats", bench_config.repeats, "Timed runs")->capture_default_str();
+  bench->add_option("--warmup", bench_config.warmup, "Untimed runs first")->capture_default_str();
+  bench->add_option("--impl", bench_config.impl, "fused, reference or auto")->capture_default_str();
+  bench->add_flag("--json", bench_config.json, "Print one JSON object instead of the table");
+  bench->add_flag("--peak-only", bench_config.peak_only,
+                  "Only measure the FMA peak on --threads threads");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -68,6 +96,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (demo->parsed()) return run_demo(step, list);
+    if (bench->parsed()) {
+      if (kv_heads_opt->count() > 0) bench_config.kv_heads = kv_heads;
+      if (seq_kv_opt->count() > 0) bench_config.seq_kv = seq_kv;
+      if (threads_opt->count() > 0) bench_config.threads = threads;
+      return attn::bench::run_bench_command(bench_config, std::cout, std::cerr);
+    }
   } catch (const attn::Error& e) {
     std::cerr << "attn: error: " << e.what() << "\n";
     return 1;

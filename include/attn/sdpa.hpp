@@ -4,12 +4,15 @@
 //
 // Semantics are torch.nn.functional.scaled_dot_product_attention's:
 //   query (..., L, E), key (..., S, E), value (..., S, Ev), output (..., L, Ev). The leading
-//   dims are (B, H), (H) or none ("unbatched"); key and value share query's leading dims.
+//   dims are (B, H), (H) or none ("unbatched"); key and value share query's leading dims,
+//   except that with enable_gqa they may have H_kv heads where query has H_q, H_q % H_kv == 0
+//   (query head h reads key/value head h / (H_q / H_kv), PyTorch's enable_gqa).
 //   attn_mask broadcasts to (..., L, S) and is either boolean (true = the key position TAKES
 //   PART, as in PyTorch SDPA; the opposite of masked_fill's convention) or additive float.
-//   is_causal masks key j > query i (top-left alignment, PyTorch's). scale defaults to
-//   1/sqrt(E). dropout_p drops attention weights with PyTorch's bernoulli stream and
-//   1/(1-p) scaling, so a seed reproduces PyTorch's math path.
+//   is_causal masks key j > query i (top-left alignment, PyTorch's; or j > i + S - L with
+//   CausalAlignment::kBottomRight). scale defaults to 1/sqrt(E). dropout_p drops attention
+//   weights with 1/(1-p) scaling, from PyTorch's bernoulli stream (DropoutRng::kTorch: a seed
+//   reproduces PyTorch's math path) or from counter-based Philox (kPhilox, attn/philox.hpp).
 //
 // Numerics policy: a query row whose every key is masked gets weights 0 and output 0 (PyTorch's
 // math path returns NaN there; a NaN would poison the rest of a model, so attn defines it).
@@ -49,7 +52,9 @@ enum class SdpaBackend { kAuto, kReference, kFused };
 // Where the diagonal of an is_causal mask sits when L != S.
 //   kTopLeft (PyTorch's is_causal): query i sees keys j <= i.
 //   kBottomRight (decoding with a KV cache): query i sees keys j <= i + (S - L), so the last
-//   query sees every key.
+//   query sees every key (PyTorch's causal_lower_right). With L > S the first L - S queries see
+//   no key: output 0, lse -inf (the fully-masked-row policy).
+// Only read when is_causal is true; without is_causal the alignment is ignored.
 enum class CausalAlignment { kTopLeft, kBottomRight };
 
 // Which random stream drops attention weights.
@@ -80,8 +85,9 @@ struct SdpaOptions {
 struct SdpaResult {
   Tensor output;        // (..., L, Ev)
   Tensor attn_weights;  // (..., L, S) when need_weights, else undefined
-  Tensor lse;           // (..., L) when need_lse: log(sum_j exp(score_ij)), -inf for a row
-                        // with every key masked; else undefined
+  Tensor lse;           // (..., L) when need_lse: log(sum_j exp(score_ij)) of the scaled,
+                        // masked scores (dropout does not change it), -inf for a row with
+                        // every key masked; else undefined
 };
 
 SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
@@ -91,10 +97,12 @@ namespace reference {
 
 // The same computation carried out entirely in float64 from the float32 inputs: the "truth"
 // that float32 kernels are measured against in tests. Dropout draws the same mask from a copy
-// of the generator state, so results are comparable with dropout too.
+// of the generator state (kTorch) or from the same Philox counters (kPhilox), so results are
+// comparable with dropout too.
 struct SdpaResultF64 {
-  Shape output_shape, weights_shape;
+  Shape output_shape, weights_shape, lse_shape;
   std::vector<double> output, attn_weights;  // row-major
+  std::vector<double> lse;  // (..., L) when need_lse (as SdpaResult::lse), else empty
 };
 SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& query, const TensorView& key,
                                                const TensorView& value,

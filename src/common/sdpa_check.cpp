@@ -41,7 +41,13 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
         "query {}, key {}, value {}", q.shape().str(), k.shape().str(), v.shape().str()));
   }
   SdpaProblem p{};
+  // With enable_gqa the head dim (-3) of key/value may divide query's; it is checked below.
+  const int head_dim = q.dim() >= 3 ? q.dim() - 3 : -1;
   for (int i = 0; i < q.dim() - 2; ++i) {
+    if (o.enable_gqa && i == head_dim) {
+      p.lead.push_back(q.size(i));
+      continue;
+    }
     if (k.size(i) != q.size(i) || v.size(i) != q.size(i)) {
       throw ShapeError(fmt::format(
           "scaled_dot_product_attention: key and value must have query's leading (batch, head) dims "
@@ -51,6 +57,22 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
     p.lead.push_back(q.size(i));
   }
   p.batch = p.lead.numel();
+  if (head_dim >= 0) {
+    p.heads_q = q.size(head_dim);
+    p.heads_kv = k.size(head_dim);
+    if (v.size(head_dim) != p.heads_kv) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: key and value must have the same number of heads (dim -3), "
+          "got key {}, value {}", k.shape().str(), v.shape().str()));
+    }
+    if (p.heads_q % p.heads_kv != 0) {  // only reachable with enable_gqa (else caught above)
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: with enable_gqa, query's number of heads ({}) must be a "
+          "multiple of key/value's ({}); got query {}, key {}", p.heads_q, p.heads_kv,
+          q.shape().str(), k.shape().str()));
+    }
+    p.group = p.heads_q / p.heads_kv;
+  }
   p.L = q.size(-2);
   p.E = q.size(-1);
   p.S = k.size(-2);
@@ -73,6 +95,10 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
   if (o.is_causal && o.attn_mask) {
     throw ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=true, not both");
   }
+  // The alignment only places the diagonal of is_causal's mask; without is_causal it is ignored.
+  p.causal = o.is_causal;
+  p.causal_offset =
+      o.is_causal && o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
   if (o.scale) {
     if (!std::isfinite(*o.scale)) {
       throw ValueError(fmt::format("scaled_dot_product_attention: scale must be finite, got {}", *o.scale));
@@ -106,6 +132,15 @@ int64_t lead_offset(const TensorView& t, const Shape& lead, int64_t b) {
     off += (b % lead[i]) * t.stride(i);
     b /= lead[i];
   }
+  return off;
+}
+
+int64_t kv_lead_offset(const TensorView& kv, const SdpaProblem& p, int64_t b) {
+  const int nlead = p.lead.ndim();
+  if (nlead == 0) return 0;
+  const int64_t outer = b / p.heads_q, h = b % p.heads_q;  // outer: batch index of 4-D inputs
+  int64_t off = (h / p.group) * kv.stride(nlead - 1);
+  if (nlead == 2) off += outer * kv.stride(0);
   return off;
 }
 

@@ -1,14 +1,151 @@
-// Placeholder until the fused kernel lands: the fused backend reports no support, so kAuto
-// uses the reference path.
+// The fused CPU backend of scaled_dot_product_attention: turns a validated problem into
+// per-block work items and runs them on OpenMP threads with the best kernel build for this CPU.
+//
+// Work items are (batch*head, block of kBQ queries). Every output row is produced by exactly
+// one item in a fixed order, so results are bit-identical for any thread count. With is_causal
+// the items differ in cost (the last block sees every key, the first almost none), so they are
+// handed out longest first with dynamic scheduling.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <numbers>
+#include <numeric>
+#include <string_view>
+#include <vector>
+
+#include <omp.h>
+
+#include "attn/philox.hpp"
 #include "common/sdpa_backends.hpp"
+#include "cpu/flash_isa.hpp"
 
 namespace attn::cpu {
 
-bool fused_supports(const SdpaOptions&) { return false; }
+const FlashKernel& select_flash_kernel() {
+  const char* force = std::getenv("ATTN_CPU_ISA");
+  const std::string_view want = force != nullptr ? force : "";
+  if (want == "generic") return flash_kernel_generic();
+#if defined(ATTN_HAVE_X86_KERNELS)
+  if (want != "avx2" && __builtin_cpu_supports("avx512f")) return flash_kernel_avx512();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return flash_kernel_avx2();
+#endif
+  return flash_kernel_generic();
+}
 
-SdpaResult flash_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                         const SdpaOptions& options, const detail::SdpaProblem& problem) {
-  return reference::sdpa_forward(q, k, v, options, problem);
+bool dropout_keep(const FlashParams& p, int64_t bh, int64_t i, int64_t j) {
+  return philox_dropout_keep(p.dropout_seed, p.dropout_offset, bh, i, j, p.dropout_p);
+}
+
+bool fused_supports(const SdpaOptions& options) {
+  return !(options.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch);
+}
+
+namespace {
+
+// The kernels read rows whose last dim is contiguous; anything else is copied once.
+TensorView rows_contiguous(const TensorView& t, Tensor& storage) {
+  if (t.stride(-1) == 1) return t;
+  storage = t.contiguous();
+  return storage;
+}
+
+bool all_finite(const TensorView& t) {
+  bool ok = true;
+  for_each_offset(t, [&](int64_t o) { ok = ok && std::isfinite(t.data()[o]); });
+  return ok;
+}
+
+}  // namespace
+
+SdpaResult flash_forward(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
+                         const SdpaOptions& options, const detail::SdpaProblem& p) {
+  Tensor qs, ks, vs;
+  const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
+                   v = rows_contiguous(v_in, vs);
+  const FlashKernel& kernel = select_flash_kernel();
+
+  Shape out_shape = p.lead, lse_shape = p.lead;
+  out_shape.push_back(p.L);
+  out_shape.push_back(p.Ev);
+  lse_shape.push_back(p.L);
+  SdpaResult result;
+  result.output = Tensor::empty(out_shape);
+  const bool want_lse = options.need_lse || options.need_weights;
+  if (want_lse) result.lse = Tensor::empty(lse_shape);
+
+  FlashParams fp;
+  fp.L = p.L, fp.S = p.S, fp.E = p.E, fp.Ev = p.Ev;
+  const int nd = q.dim();
+  fp.q_row = q.stride(nd - 2), fp.k_row = k.stride(nd - 2), fp.v_row = v.stride(nd - 2);
+  fp.o_row = p.Ev;
+  const double scale = p.divide ? 1.0 / static_cast<double>(p.divisor) : p.scale;
+  fp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  fp.causal = p.causal;
+  fp.causal_offset = p.causal_offset;
+  if (p.mask.defined()) {
+    fp.mask_row = p.mask.stride(-2);
+    fp.mask_col = p.mask.stride(-1);
+    fp.mask_is_bool = p.mask_is_bool;
+  }
+  fp.dropout_p = p.dropout_p;
+  fp.dropout_seed = options.dropout_seed;
+  fp.dropout_offset = options.dropout_offset;
+  fp.guard_v = !all_finite(v);
+
+  // Work items (b, query block), head by head so K and V stay in cache; within a head the
+  // longest causal blocks go first so the short ones even out the threads at the end.
+  const int64_t nqb = (p.L + kernel.block_q - 1) / kernel.block_q;
+  std::vector<int64_t> items(static_cast<size_t>(p.batch * nqb));
+  std::iota(items.begin(), items.end(), int64_t{0});
+  if (fp.causal) {
+    for (int64_t b = 0; b < p.batch; ++b) std::reverse(items.begin() + b * nqb, items.begin() + (b + 1) * nqb);
+  }
+  const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  const int64_t ws_floats = kernel.workspace_floats(p.E, p.Ev);
+  float* const out = result.output.data();
+  float* const lse = want_lse ? result.lse.data() : nullptr;
+
+  auto block_of = [&](int64_t item) {
+    const int64_t b = item / nqb, i0 = (item % nqb) * kernel.block_q;
+    FlashBlock blk{};
+    blk.i0 = i0;
+    blk.nq = std::min<int64_t>(kernel.block_q, p.L - i0);
+    blk.bh = b;
+    blk.q = q.data() + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
+    blk.k = k.data() + detail::kv_lead_offset(k, p, b);
+    blk.v = v.data() + detail::kv_lead_offset(v, p, b);
+    blk.o = out + (b * p.L + i0) * p.Ev;
+    blk.lse = lse != nullptr ? lse + b * p.L + i0 : nullptr;
+    if (p.mask.defined()) blk.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i0 * fp.mask_row;
+    return blk;
+  };
+
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> ws(static_cast<size_t>(ws_floats));
+#pragma omp for schedule(dynamic, 1)
+    for (size_t t = 0; t < items.size(); ++t) kernel.forward(fp, block_of(items[t]), ws.data());
+  }
+
+  if (options.need_weights) {
+    Shape w_shape = p.lead;
+    w_shape.push_back(p.L);
+    w_shape.push_back(p.S);
+    result.attn_weights = Tensor::empty(w_shape);
+    float* const weights = result.attn_weights.data();
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<float> ws(static_cast<size_t>(ws_floats));
+#pragma omp for schedule(dynamic, 1)
+      for (size_t t = 0; t < items.size(); ++t) {
+        FlashBlock blk = block_of(items[t]);
+        blk.weights = weights + (blk.bh * p.L + blk.i0) * p.S;
+        kernel.weights(fp, blk, ws.data());
+      }
+    }
+  }
+  if (!options.need_lse) result.lse = Tensor();
+  return result;
 }
 
 }  // namespace attn::cpu

@@ -11,11 +11,14 @@
 
 namespace attn::detail {
 
-// row[0..S) holds q_i . k_j on entry and the attention weights on exit.
-// mask_row is the (possibly strided) mask row for query i, or nullptr.
+// row[0..S) holds q_i . k_j on entry and the attention weights on exit (before dropout).
+// mask_row is the (possibly strided) mask row for query i, or nullptr. The causal mask comes
+// from p (p.causal, p.causal_offset: key j > i + causal_offset is masked).
+// Returns the row's log-sum-exp of the scaled, masked scores, max + log(sum exp(s - max)):
+// -inf when every key is masked, NaN when the row has a NaN score.
 template <typename T>
-void attention_row(T* row, const SdpaProblem& p, bool causal, int64_t i, const float* mask_row,
-                   int64_t mask_stride) {
+T attention_row(T* row, const SdpaProblem& p, int64_t i, const float* mask_row,
+                int64_t mask_stride) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   // float32 divides by sqrt(E) rounded to float (PyTorch's `scores / d_k**0.5`); the float64
   // truth divides by sqrt(E) in double, so it carries no float32 rounding of the scale.
@@ -24,7 +27,7 @@ void attention_row(T* row, const SdpaProblem& p, bool causal, int64_t i, const f
   T mx = neg_inf;
   for (int64_t j = 0; j < p.S; ++j) {
     T s = p.divide ? row[j] / divisor : row[j] * static_cast<T>(p.scale);
-    if (causal && j > i) s = neg_inf;
+    if (p.causal && j > i + p.causal_offset) s = neg_inf;
     if (mask_row != nullptr) {
       const float m = mask_row[j * mask_stride];
       if (p.mask_is_bool) {
@@ -38,7 +41,7 @@ void attention_row(T* row, const SdpaProblem& p, bool causal, int64_t i, const f
   }
   if (mx == neg_inf) {  // every key masked out: weights 0, so the output row is 0 (not NaN)
     for (int64_t j = 0; j < p.S; ++j) row[j] = T(0);
-    return;
+    return neg_inf;  // log(0): the row has no probability mass
   }
   T sum = 0;
   for (int64_t j = 0; j < p.S; ++j) {
@@ -46,6 +49,7 @@ void attention_row(T* row, const SdpaProblem& p, bool causal, int64_t i, const f
     sum += row[j];
   }
   for (int64_t j = 0; j < p.S; ++j) row[j] /= sum;
+  return mx + std::log(sum);
 }
 
 }  // namespace attn::detail

@@ -1,0 +1,16 @@
+// The fused attention kernel built for one instruction set (see flash_kernel.hpp); the
+// flags come from CMakeLists.txt, the choice at run time from flash_fwd.cpp.
+#define ATTN_SIMD_NS avx512
+#define ATTN_SIMD_WIDTH 16
+#include "cpu/flash_kernel.hpp"
+#include "cpu/flash_isa.hpp"
+
+namespace attn::cpu {
+
+const FlashKernel& flash_kernel_avx512() {
+  static const FlashKernel k{"avx512", avx512::kBQ, avx512::workspace_floats, avx512::forward_block,
+                             avx512::weights_block};
+  return k;
+}
+
+}  // namespace attn::cpu

@@ -1,0 +1,25 @@
+// The per-instruction-set builds of the fused kernel, as a table of functions.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/flash_params.hpp"
+
+namespace attn::cpu {
+
+struct FlashKernel {
+  const char* isa;      // "avx512", "avx2" or "generic"
+  int64_t block_q;      // queries per work item
+  int64_t (*workspace_floats)(int64_t E, int64_t Ev);
+  void (*forward)(const FlashParams&, const FlashBlock&, float* workspace);
+  void (*weights)(const FlashParams&, const FlashBlock&, float* workspace);
+};
+
+const FlashKernel& flash_kernel_avx512();
+const FlashKernel& flash_kernel_avx2();
+const FlashKernel& flash_kernel_generic();
+
+// The best kernel this CPU runs; ATTN_CPU_ISA=avx2|generic forces a lower one (for tests).
+const FlashKernel& select_flash_kernel();
+
+}  // namespace attn::cpu

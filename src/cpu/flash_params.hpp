@@ -1,0 +1,50 @@
+// Parameters of the fused attention kernel, shared by the dispatcher (flash_fwd.cpp) and the
+// per-ISA kernel builds (flash_kernel.hpp compiled as avx512, avx2 and generic).
+#pragma once
+
+#include <cstdint>
+
+namespace attn::cpu {
+
+// One head's problem, FlashAttention-style: raw pointers and row strides (the last dim of q, k,
+// v and o is contiguous), sizes, scale, masking and dropout.
+struct FlashParams {
+  int64_t L = 0, S = 0, E = 0, Ev = 0;
+  int64_t q_row = 0, k_row = 0, v_row = 0, o_row = 0;  // element stride between rows
+
+  float scale_log2 = 0;   // softmax scale times log2(e): scores are kept in base 2
+  bool causal = false;
+  int64_t causal_offset = 0;  // key j is visible to query i iff j <= i + causal_offset
+
+  const float* mask = nullptr;      // per (b): mask[i * mask_row + j * mask_col], or nullptr
+  int64_t mask_row = 0, mask_col = 0;
+  bool mask_is_bool = true;
+
+  float dropout_p = 0;              // Philox dropout on the weights when > 0
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+  bool guard_v = false;             // v holds non-finite values: never multiply them by a 0 weight
+};
+
+// One work item: a block of up to kBlockQ queries of one (batch, head).
+struct FlashBlock {
+  const float* q;   // first query row of the block
+  const float* k;   // key rows of this head
+  const float* v;
+  float* o;         // first output row of the block
+  float* lse;       // natural-log LSE of the block's rows, or nullptr
+  float* weights;   // second pass only: (nq, S) rows of the attention weights, row stride S
+  const float* mask;  // the (i0, 0) element of this head's mask, or nullptr
+  int64_t i0, nq;   // first query index and number of queries
+  int64_t bh;       // flat batch*head index (dropout counter)
+};
+
+// Philox keep decision for weight (bh, i, j), out of line (flash_fwd.cpp) so that the per-ISA
+// kernel builds include no inline code shared with the rest of the library.
+bool dropout_keep(const FlashParams& p, int64_t bh, int64_t i, int64_t j);
+
+// Per-thread scratch, sized by flash_workspace_floats().
+struct FlashWorkspace {
+  float* buf;
+};
+
+}  // namespace attn::cpu
