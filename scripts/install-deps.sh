@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what attn needs to build and test, from Debian's packages, if it is missing.
-# Idempotent and quiet when everything is present (no apt-get update then).
+# Idempotent and quiet when everything is present (no apt-get update then). Extra package
+# names given as arguments are installed too (e.g. the sanitizer and fuzzing toolchain).
 set -euo pipefail
 
-packages=(cmake g++ make pkg-config libopenblas-dev libfmt-dev libcli11-dev libgtest-dev)
+packages=(cmake g++ make pkg-config libopenblas-dev libfmt-dev libcli11-dev libgtest-dev "$@")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
