@@ -1,9 +1,12 @@
 // The `attn` command-line tool. Subcommands are thin: they parse arguments (CLI11) and call the
-// library; every attn::Error becomes one line on stderr and exit code 1.
+// library; every exception (attn::Error or any other std::exception) becomes one line on stderr,
+// "attn: error: ...", and exit code 1, never an uncaught exception and its abort.
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <exception>
 #include <fmt/format.h>
 #include <iostream>
+#include <string>
 
 #include "attn/error.hpp"
 #include "bench.hpp"
@@ -37,9 +40,17 @@ int run_demo(const std::string& step_name, bool list) {
   return 0;
 }
 
-}  // namespace
+// The one-line report of an exception that reached main: newlines folded so that the message
+// stays on one line whatever threw it.
+void report_error(const char* what) {
+  std::string msg = what != nullptr && *what != '\0' ? what : "unknown error";
+  for (char& c : msg) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  std::cerr << "attn: error: " << msg << std::endl;
+}
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   CLI::App app{
       "attn: attention mechanisms of transformer language models, with PyTorch's numbers.\n"
       "Run `attn demo` to walk through chapter 3 of \"Build a Large Language Model (From\n"
@@ -103,8 +114,21 @@ int main(int argc, char** argv) {
       return attn::bench::run_bench_command(bench_config, std::cout, std::cerr);
     }
   } catch (const attn::Error& e) {
-    std::cerr << "attn: error: " << e.what() << "\n";
+    report_error(e.what());
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // std::bad_alloc, std::system_error, fmt::format_error, ...
+    report_error(e.what());
+  } catch (...) {
+    report_error("unknown exception");
+  }
+  return 1;
 }

@@ -70,7 +70,8 @@ struct SdpaOptions {
   float dropout_p = 0.0f;             // in [0, 1]; 1 drops every weight (no draws), as F.dropout
   bool is_causal = false;             // may not be combined with attn_mask (as in PyTorch)
   CausalAlignment causal_alignment = CausalAlignment::kTopLeft;
-  std::optional<double> scale;        // default 1/sqrt(E)
+  std::optional<double> scale;        // default 1/sqrt(E); finite with |scale| <= FLT_MAX / log2(e)
+                                      // (~2.36e38, the kernels' float32 range), else ValueError
   bool enable_gqa = false;            // key/value may have H_kv heads, H_q a multiple of H_kv
   bool need_weights = false;          // also return the (post-dropout) attention weights
   bool need_lse = false;              // also return the per-row log-sum-exp of the scaled scores

@@ -51,6 +51,8 @@ class Tensor;
 class TensorView {
  public:
   TensorView() = default;
+  // Sizes and strides must be >= 0 (ShapeError naming `shape` or `strides` otherwise); strides
+  // must have the rank of the shape.
   TensorView(float* data, Shape shape);                  // row-major strides
   TensorView(float* data, Shape shape, Shape strides);
 

@@ -1,6 +1,8 @@
 #include "sdpa_check.hpp"
 
 #include <cmath>
+#include <limits>
+#include <numbers>
 #include <fmt/format.h>
 
 #include "attn/error.hpp"
@@ -100,8 +102,13 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
   p.causal_offset =
       o.is_causal && o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
   if (o.scale) {
-    if (!std::isfinite(*o.scale)) {
-      throw ValueError(fmt::format("scaled_dot_product_attention: scale must be finite, got {}", *o.scale));
+    // The kernels multiply in float32, the fused one by scale * log2(e): a scale whose float32
+    // multiplier would be infinite is as unusable as an infinite one.
+    constexpr double kMaxScale = std::numeric_limits<float>::max() / std::numbers::log2e;
+    if (!std::isfinite(*o.scale) || std::fabs(*o.scale) > kMaxScale) {
+      throw ValueError(fmt::format(
+          "scaled_dot_product_attention: scale must be finite, at most {:.4g} in magnitude (float32 "
+          "range of scale * log2(e)), got {}", kMaxScale, *o.scale));
     }
     p.scale = *o.scale;
     p.divide = false;

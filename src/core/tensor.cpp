@@ -53,7 +53,11 @@ Shape contiguous_strides(const Shape& shape) {
   int64_t acc = 1;
   for (int i = shape.ndim() - 1; i >= 0; --i) {
     s[i] = acc;
-    acc *= std::max<int64_t>(shape[i], 1);
+    // Zero extents count as 1, so an empty shape can have huge extents: reject strides that
+    // int64 cannot hold rather than overflow.
+    if (__builtin_mul_overflow(acc, std::max<int64_t>(shape[i], 1), &acc)) {
+      throw ShapeError(fmt::format("shape {}: strides overflow int64", shape.str()));
+    }
   }
   return s;
 }
@@ -87,8 +91,31 @@ int wrap_dim(int dim, int ndim, const char* what) {
 }
 }  // namespace
 
+namespace {
+// Views index memory as data + sum(i_d * stride_d) with 0 <= i_d < size_d: a negative size has
+// no meaning, and a negative stride (PyTorch has none either) would step before `data`.
+void check_view_extents(const Shape& shape, const Shape* strides) {
+  for (int d = 0; d < shape.ndim(); ++d) {
+    if (shape[d] < 0) {
+      throw ShapeError(fmt::format("TensorView: shape {} has a negative size {} in dim {}",
+                                   shape.str(), shape[d], d));
+    }
+  }
+  if (strides == nullptr) return;
+  for (int d = 0; d < strides->ndim(); ++d) {
+    if ((*strides)[d] < 0) {
+      throw ShapeError(fmt::format(
+          "TensorView: strides {} have a negative stride {} in dim {} (shape {}); negative strides "
+          "are not supported", strides->str(), (*strides)[d], d, shape.str()));
+    }
+  }
+}
+}  // namespace
+
 TensorView::TensorView(float* data, Shape shape)
-    : data_(data), shape_(shape), strides_(contiguous_strides(shape)) {}
+    : data_(data), shape_(shape), strides_(contiguous_strides(shape)) {
+  check_view_extents(shape, nullptr);
+}
 
 TensorView::TensorView(float* data, Shape shape, Shape strides)
     : data_(data), shape_(shape), strides_(strides) {
@@ -96,6 +123,7 @@ TensorView::TensorView(float* data, Shape shape, Shape strides)
     throw ShapeError(fmt::format("TensorView: shape {} and strides {} differ in rank", shape.str(),
                                  strides.str()));
   }
+  check_view_extents(shape, &strides);
 }
 
 // A 0-D tensor has no extent to report (wrap_dim accepts dim 0/-1 for it, as transpose needs).
@@ -158,8 +186,9 @@ TensorView TensorView::view(Shape shape) const {
       infer = i;
     } else if (shape[i] < 0) {
       throw ShapeError(fmt::format("view: invalid extent {} in shape {}", shape[i], shape.str()));
-    } else {
-      known *= shape[i];
+    } else if (__builtin_mul_overflow(known, shape[i], &known)) {
+      throw ShapeError(fmt::format("view: shape {} is invalid for input of size {} (too many elements)",
+                                   shape.str(), numel()));
     }
   }
   if (infer >= 0) {
@@ -208,11 +237,15 @@ TensorView TensorView::select(int dim_, int64_t index) const {
     shape.push_back(shape_[i]);
     strides.push_back(strides_[i]);
   }
-  return TensorView(data_ + index * strides_[d], shape, strides);
+  // An empty tensor can have extents and strides far beyond its storage: its views keep the
+  // data pointer (never dereferenced) rather than form one outside the allocation.
+  const int64_t offset = numel() == 0 ? 0 : index * strides_[d];
+  return TensorView(data_ + offset, shape, strides);
 }
 
 TensorView TensorView::slice(int dim_, int64_t start, int64_t end) const {
   const int d = wrap_dim(dim_, dim(), "slice");
+  if (dim() == 0) throw IndexError("slice: cannot slice a 0-D tensor");
   const int64_t n = shape_[d];
   // Python slice semantics: negative counts from the end, out-of-range clamps.
   if (start < 0) start += n;
@@ -220,8 +253,8 @@ TensorView TensorView::slice(int dim_, int64_t start, int64_t end) const {
   start = std::clamp<int64_t>(start, 0, n);
   end = std::clamp<int64_t>(end, start, n);
   TensorView v = *this;
-  v.data_ = data_ + start * strides_[d];
   v.shape_[d] = end - start;
+  if (v.numel() > 0) v.data_ = data_ + start * strides_[d];  // an empty view keeps data_ (as select)
   return v;
 }
 

@@ -144,7 +144,13 @@ SdpaResult flash_forward(const TensorView& q_in, const TensorView& k_in, const T
       }
     }
   }
-  if (!options.need_lse) result.lse = Tensor();
+  // The kernel keeps the LSE in base 2 (the weights pass reads it so); the API's is natural.
+  if (options.need_lse) {
+    float* const l = result.lse.data();
+    for (int64_t r = 0; r < p.batch * p.L; ++r) l[r] *= std::numbers::ln2_v<float>;
+  } else {
+    result.lse = Tensor();
+  }
   return result;
 }
 

@@ -6,7 +6,7 @@
 // `acc += a * b` becomes an FMA (these files build with -ffp-contract=fast).
 //
 // Shapes and tiling, for a block of BQ = 2W queries of one (batch, head):
-//   qt  (E, BQ)    Q^T of the block, pre-scaled by scale*log2(e), packed once per block
+//   qt  (E, BQ)    Q^T of the block, packed once per block
 //   st  (BK, BQ)   scores S^T of one key block: one row per key, one lane per query, so the
 //                  softmax's max and sum over keys are vertical (lane-wise) operations and
 //                  the causal mask is a per-row lane comparison
@@ -86,36 +86,45 @@ inline int64_t workspace_floats(int64_t E, int64_t Ev) {
 }
 
 // S^T[jj][lane] = sum_e k[j0 + jj][e] * qt[e][lane] for jj in [0, nk).
+// E is summed in chunks of kEChunk whose partial sums are added into st: one long FMA chain
+// over E = 128 loses up to ~6x the accuracy of BLAS's blocked sums on large scores, which the
+// softmax then amplifies; chunking keeps the error at the reference's level for ~3 % more work.
+constexpr int64_t kEChunk = 16;
+
+template <int JT>
+inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t e0, int64_t e1,
+                        bool first, float* st) {
+  vf acc[JT][2] = {};
+  for (int64_t e = e0; e < e1; ++e) {
+    const vf q0 = load(qt + e * kBQ), q1 = load(qt + e * kBQ + W);
+    for (int t = 0; t < JT; ++t) {
+      const vf kb = splat(kr[t * k_row + e]);
+      acc[t][0] += kb * q0;
+      acc[t][1] += kb * q1;
+    }
+  }
+  for (int t = 0; t < JT; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      float* dst = st + t * kBQ + h * W;
+      store(dst, first ? acc[t][h] : load(dst) + acc[t][h]);
+    }
+  }
+}
+
+// Then the scale (times log2 e) is applied to each finished score, once, as the reference does:
+// folding it into Q instead rounds every product q_e * k_e, an error that grows with the sum of
+// |q_e k_e| rather than with the score.
 inline void scores_block(const float* qt, const float* k, int64_t k_row, int64_t E, int64_t j0,
-                         int64_t nk, float* st) {
-  int64_t jj = 0;
-  for (; jj + kJT <= nk; jj += kJT) {
-    vf acc[kJT][2] = {};
-    const float* kr = k + (j0 + jj) * k_row;
-    for (int64_t e = 0; e < E; ++e) {
-      const vf q0 = load(qt + e * kBQ), q1 = load(qt + e * kBQ + W);
-      for (int t = 0; t < kJT; ++t) {
-        const vf kb = splat(kr[t * k_row + e]);
-        acc[t][0] += kb * q0;
-        acc[t][1] += kb * q1;
-      }
+                         int64_t nk, float scale_log2, float* st) {
+  for (int64_t e0 = 0; e0 < E; e0 += kEChunk) {
+    const int64_t e1 = imin(e0 + kEChunk, E);
+    int64_t jj = 0;
+    for (; jj + kJT <= nk; jj += kJT) {
+      scores_tile<kJT>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
     }
-    for (int t = 0; t < kJT; ++t) {
-      store(st + (jj + t) * kBQ, acc[t][0]);
-      store(st + (jj + t) * kBQ + W, acc[t][1]);
-    }
+    for (; jj < nk; ++jj) scores_tile<1>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
   }
-  for (; jj < nk; ++jj) {
-    vf a0 = {}, a1 = {};
-    const float* kr = k + (j0 + jj) * k_row;
-    for (int64_t e = 0; e < E; ++e) {
-      const vf kb = splat(kr[e]);
-      a0 += kb * load(qt + e * kBQ);
-      a1 += kb * load(qt + e * kBQ + W);
-    }
-    store(st + jj * kBQ, a0);
-    store(st + jj * kBQ + W, a1);
-  }
+  for (int64_t i = 0; i < nk * kBQ; i += W) store(st + i, load(st + i) * scale_log2);
 }
 
 // Applies the causal and explicit masks to S^T (assigning -inf), in place.
@@ -153,14 +162,15 @@ inline void mask_block(const FlashParams& p, const FlashBlock& b, int64_t j0, in
   }
 }
 
-// Philox dropout on the probabilities P^T (already used for the row sums): dropped -> 0,
-// kept -> p / (1 - dropout_p).
+// Philox dropout on the probabilities P^T (already used for the row sums): dropped -> p * 0,
+// kept -> p / (1 - dropout_p). Multiplying by 0 (as PyTorch's dropout does) keeps a NaN
+// probability NaN, so a row with a NaN score is NaN whichever of its keys are dropped.
 inline void dropout_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* st) {
   const float inv_keep = 1.0f / (1.0f - p.dropout_p);
   for (int64_t jj = 0; jj < nk; ++jj) {
     for (int64_t q = 0; q < b.nq; ++q) {
       float& x = st[jj * kBQ + q];
-      x = dropout_keep(p, b.bh, b.i0 + q, j0 + jj) ? x * inv_keep : 0.0f;
+      x = dropout_keep(p, b.bh, b.i0 + q, j0 + jj) ? x * inv_keep : x * 0.0f;
     }
   }
 }
@@ -215,7 +225,7 @@ inline void forward_block(const FlashParams& p, const FlashBlock& b, float* ws) 
   // Q^T, scaled into base-2 units; padding lanes (q >= nq) are zero.
   for (int64_t e = 0; e < p.E; ++e) {
     for (int64_t q = 0; q < kBQ; ++q) {
-      qt[e * kBQ + q] = q < b.nq ? b.q[q * p.q_row + e] * p.scale_log2 : 0.0f;
+      qt[e * kBQ + q] = q < b.nq ? b.q[q * p.q_row + e] : 0.0f;
     }
   }
   zero(ob, kBQ * evp);
@@ -231,7 +241,7 @@ inline void forward_block(const FlashParams& p, const FlashBlock& b, float* ws) 
 
   for (int64_t j0 = 0; j0 < s_end; j0 += kBK) {
     const int64_t nk = imin(kBK, s_end - j0);
-    scores_block(qt, b.k, p.k_row, p.E, j0, nk, st);
+    scores_block(qt, b.k, p.k_row, p.E, j0, nk, p.scale_log2, st);
     mask_block(p, b, j0, nk, st);
 
     // Online softmax, lane-wise: new max, rescale factor, probabilities, row sums.
@@ -280,33 +290,41 @@ inline void forward_block(const FlashParams& p, const FlashBlock& b, float* ws) 
     const float inv = lq > 0.0f ? 1.0f / lq : 0.0f;
     float* out = b.o + q * p.o_row;
     for (int64_t e = 0; e < p.Ev; ++e) out[e] = ob[q * evp + e] * inv;
-    if (b.lse != nullptr) {
-      b.lse[q] = lq > 0.0f ? (mq + __builtin_log2f(lq)) * std::numbers::ln2_v<float> : kNegInf;
+    if (b.lse != nullptr) {  // base 2; flash_forward converts to natural log at the very end
+      b.lse[q] = lq > 0.0f ? mq + __builtin_log2f(lq) : kNegInf;
       if (lq != lq) b.lse[q] = lq;  // NaN propagates
     }
   }
 }
 
-// Second pass: attention weights exp(s - lse) for the block's rows, from the saved LSE.
+// Second pass: attention weights exp(s - lse) for the block's rows, from the saved base-2 LSE
+// (read exactly as the forward pass wrote it, not round-tripped through natural log, whose two
+// roundings cost accuracy for large scores). The scores are recomputed; where a compiler rounds
+// the two passes' tilings differently (clang does not contract every product of both into the
+// same FMAs) a score can exceed lse2 by a few ulps, so s - lse2 is capped at 0: a weight is
+// never above 1 (NaN stays NaN).
 inline void weights_block(const FlashParams& p, const FlashBlock& b, float* ws) {
   float* qt = ws;
   float* st = qt + p.E * kBQ;
   for (int64_t e = 0; e < p.E; ++e) {
     for (int64_t q = 0; q < kBQ; ++q) {
-      qt[e * kBQ + q] = q < b.nq ? b.q[q * p.q_row + e] * p.scale_log2 : 0.0f;
+      qt[e * kBQ + q] = q < b.nq ? b.q[q * p.q_row + e] : 0.0f;
     }
   }
   vf lse2[2];  // LSE in base 2; -inf rows produce weights 0
   for (int64_t q = 0; q < kBQ; ++q) {
-    const float v = q < b.nq ? b.lse[q] * std::numbers::log2e_v<float> : kNegInf;
+    const float v = q < b.nq ? b.lse[q] : kNegInf;
     lse2[q / W][q % W] = v == kNegInf ? std::numeric_limits<float>::infinity() : v;
   }
   for (int64_t j0 = 0; j0 < p.S; j0 += kBK) {
     const int64_t nk = imin(kBK, p.S - j0);
-    scores_block(qt, b.k, p.k_row, p.E, j0, nk, st);
+    scores_block(qt, b.k, p.k_row, p.E, j0, nk, p.scale_log2, st);
     mask_block(p, b, j0, nk, st);
     for (int64_t jj = 0; jj < nk; ++jj) {
-      for (int h = 0; h < 2; ++h) store(st + jj * kBQ + h * W, exp2v(load(st + jj * kBQ + h * W) - lse2[h]));
+      for (int h = 0; h < 2; ++h) {
+        const vf x = load(st + jj * kBQ + h * W) - lse2[h];
+        store(st + jj * kBQ + h * W, exp2v(x > 0.0f ? splat(0.0f) : x));
+      }
     }
     if (p.dropout_p > 0.0f) dropout_block(p, b, j0, nk, st);
     for (int64_t q = 0; q < b.nq; ++q) {

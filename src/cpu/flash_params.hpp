@@ -31,7 +31,7 @@ struct FlashBlock {
   const float* k;   // key rows of this head
   const float* v;
   float* o;         // first output row of the block
-  float* lse;       // natural-log LSE of the block's rows, or nullptr
+  float* lse;       // base-2 LSE of the block's rows (max + log2(sum)), or nullptr
   float* weights;   // second pass only: (nq, S) rows of the attention weights, row stride S
   const float* mask;  // the (i0, 0) element of this head's mask, or nullptr
   int64_t i0, nq;   // first query index and number of queries

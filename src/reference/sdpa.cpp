@@ -45,6 +45,7 @@ Tensor repeat_kv(const TensorView& kv, const detail::SdpaProblem& p) {
 
 // Philox dropout in place on the (batch, L, S) weights: the same keep decisions as the float64
 // reference and the fused kernel (attn/philox.hpp), and torch's float32 scaling w * (1 / (1 - p)).
+// A dropped weight is multiplied by 0 as in torch: 0 for a finite weight, NaN stays NaN.
 void philox_dropout_(Tensor& weights, const detail::SdpaProblem& p, const SdpaOptions& o) {
   const float inv_keep = 1.0f / (1.0f - p.dropout_p);  // inf at p == 1, but then nothing is kept
   const int64_t rows = p.batch * p.L;
@@ -55,7 +56,7 @@ void philox_dropout_(Tensor& weights, const detail::SdpaProblem& p, const SdpaOp
     for (int64_t r = 0; r < rows; ++r) {
       philox_dropout_keep_row(o.dropout_seed, o.dropout_offset, r / p.L, r % p.L, p.dropout_p, keep);
       float* w = weights.data() + r * p.S;
-      for (int64_t j = 0; j < p.S; ++j) w[j] = keep[static_cast<size_t>(j)] ? w[j] * inv_keep : 0.0f;
+      for (int64_t j = 0; j < p.S; ++j) w[j] = keep[static_cast<size_t>(j)] ? w[j] * inv_keep : w[j] * 0.0f;
     }
   }
 }

@@ -70,7 +70,7 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const Tensor
       } else if (philox) {
         philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b, i, p.dropout_p,
                                 philox_keep);
-        for (int64_t j = 0; j < p.S; ++j) row[j] = philox_keep[static_cast<size_t>(j)] ? row[j] * inv_keep : 0.0;
+        for (int64_t j = 0; j < p.S; ++j) row[j] = philox_keep[static_cast<size_t>(j)] ? row[j] * inv_keep : row[j] * 0.0;
       }
       double* out = r.output.data() + (b * p.L + i) * p.Ev;
       for (int64_t j = 0; j < p.S; ++j) {

@@ -519,5 +519,37 @@ TEST(TensorView, ExplicitStridesMustMatchRank) {
   EXPECT_TRUE(v.t().is_contiguous());
 }
 
+
+TEST(TensorView, NegativeSizesAreShapeErrorsNamingTheShape) {
+  float buf[6] = {};
+  std::string msg = message_of<ShapeError>([&] { (void)TensorView(buf, Shape{2, -3}); });
+  EXPECT_TRUE(contains(msg, "shape [2, -3]")) << msg;
+  EXPECT_TRUE(contains(msg, "negative size -3 in dim 1")) << msg;
+  msg = message_of<ShapeError>([&] { (void)TensorView(buf, Shape{-1, 3}, Shape{3, 1}); });
+  EXPECT_TRUE(contains(msg, "shape [-1, 3]")) << msg;
+  EXPECT_TRUE(contains(msg, "dim 0")) << msg;
+  // Zero sizes stay valid (an empty view), as in PyTorch.
+  EXPECT_NO_THROW((void)TensorView(buf, Shape{0, 3}));
+  EXPECT_NO_THROW((void)TensorView(buf, Shape{2, 0}, Shape{1, 1}));
+  // expand's target goes through the same check: -1 only means "keep" for existing dims.
+  const Tensor t = arange({2, 3});
+  EXPECT_THROW((void)t.expand({-1, 2, 3}), ShapeError);
+}
+
+TEST(TensorView, NegativeStridesAreShapeErrorsNamingTheStrides) {
+  float buf[6] = {};
+  std::string msg = message_of<ShapeError>([&] { (void)TensorView(buf + 5, Shape{2, 3}, Shape{-3, 1}); });
+  EXPECT_TRUE(contains(msg, "strides [-3, 1]")) << msg;
+  EXPECT_TRUE(contains(msg, "negative stride -3 in dim 0")) << msg;
+  msg = message_of<ShapeError>([&] { (void)TensorView(buf, Shape{3, 2}, Shape{2, -1}); });
+  EXPECT_TRUE(contains(msg, "strides [2, -1]")) << msg;
+  EXPECT_TRUE(contains(msg, "dim 1")) << msg;
+  // Stride 0 (broadcast) stays valid.
+  const TensorView b(buf, Shape{4, 3}, Shape{0, 1});
+  EXPECT_EQ(b.to_vector().size(), 12u);
+  // Both are attn::Error for an application catching the base.
+  EXPECT_THROW((void)TensorView(buf, Shape{1, 1}, Shape{-1, 1}), Error);
+}
+
 }  // namespace
 }  // namespace attn

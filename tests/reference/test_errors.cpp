@@ -14,6 +14,7 @@
 #include "attn/functional.hpp"
 #include "attn/modules.hpp"
 #include "attn/sdpa.hpp"
+#include "fixture.hpp"
 
 namespace attn {
 namespace {
@@ -312,6 +313,127 @@ TEST(ErrorsTensor, TypedErrorsFromTensorCalls) {
   expect_error<ValueError>([] { (void)(Shape{int64_t{1} << 40, int64_t{1} << 40}.numel()); }, {"overflows"}, "numel");
   expect_error<ShapeError>([] { Shape s{1, 1, 1, 1, 1}; }, {"at most 4"}, "5-D");
   expect_error<IndexError>([&] { t.transpose(0, 2); }, {"transpose", "dim 2", "2-D"}, "transpose");
+}
+
+
+// ---- regressions found by the fuzz targets (tests/fuzz/, scripts/fuzz.sh) ------------------------
+
+// fuzz_tensor_views: view() multiplied the given extents without an overflow check (signed
+// overflow, undefined behaviour) before comparing the element count.
+TEST(FuzzRegressions, ViewWithExtentsOverflowingInt64IsAShapeError) {
+  const Tensor t = Tensor::ones({2, 3});
+  expect_error<ShapeError>([&] { t.view({std::numeric_limits<int64_t>::max(), 6}); }, {"view", "too many elements"},
+                           "view max*6");
+  expect_error<ShapeError>([&] { t.view({int64_t{1} << 62, 4, -1}); }, {"view"}, "view 2^62*4 with -1");
+}
+
+// fuzz_tensor_views: slice() of a 0-D tensor returned it unchanged (writing an extent past the
+// shape's rank); PyTorch: "slice() cannot be applied to a 0-dim tensor".
+TEST(FuzzRegressions, SliceOfAZeroDimTensorIsAnIndexError) {
+  const Tensor s = Tensor::scalar(1.5f);
+  expect_error<IndexError>([&] { s.slice(0, 0, 1); }, {"slice", "0-D"}, "slice 0-D");
+  expect_error<IndexError>([&] { s.slice(-1, 0, 0); }, {"slice", "0-D"}, "slice 0-D, dim -1");
+}
+
+// fuzz_tensor_views: row-major strides count a zero extent as 1, so an empty shape such as
+// [3 * 2^61, 0, 4] has strides beyond int64 (signed overflow in contiguous_strides).
+TEST(FuzzRegressions, EmptyShapeWhoseStridesOverflowIsAShapeError) {
+  const int64_t huge = int64_t{3} << 61;
+  expect_error<ShapeError>([&] { (void)Tensor::empty({huge, 0, 4}); }, {"strides overflow"}, "empty");
+  const Tensor e = Tensor::zeros({0, 4});
+  expect_error<ShapeError>([&] { e.view({huge, 0, 4}); }, {"strides overflow"}, "view of an empty tensor");
+  EXPECT_NO_THROW((void)e.view({int64_t{1} << 40, 0}));  // fits: still a valid empty view
+}
+
+// fuzz_tensor_views: select/slice of an empty view with huge extents moved the data pointer far
+// outside the allocation (UBSan: "pointer index expression overflowed"). Empty views keep it.
+TEST(FuzzRegressions, EmptyViewsKeepTheirDataPointer) {
+  const Tensor e = Tensor::zeros({0, 4});
+  const TensorView v = e.view({0, int64_t{1} << 61, 2});  // strides [2^62, 2, 1]
+  EXPECT_EQ(v.select(1, (int64_t{1} << 61) - 1).data(), e.data());
+  EXPECT_EQ(v.slice(1, int64_t{1} << 60, int64_t{1} << 61).data(), e.data());
+  EXPECT_EQ(v.select(2, 1).numel(), 0);
+  // A non-empty slice that selects nothing keeps it too; a non-empty one still moves.
+  const Tensor t = Tensor::ones({3, 4});
+  EXPECT_EQ(t.slice(0, 3, 3).data(), t.data());
+  EXPECT_EQ(t.slice(0, 1, 3).data(), t.data() + 4);
+  EXPECT_EQ(t.select(1, 2).data(), t.data() + 2);
+}
+
+// fuzz_sdpa: a finite scale beyond float32's range (1e40) passed the "scale must be finite"
+// check, and the kernels then multiplied by an infinite float32 scale (NaN for a zero score).
+TEST(FuzzRegressions, SdpaScaleBeyondFloat32RangeIsAValueError) {
+  const Tensor q = Tensor::zeros({2, 3});
+  for (double s : {1e40, -3e38, std::numeric_limits<double>::max()}) {
+    SdpaOptions o;
+    o.scale = s;
+    for (SdpaBackend b : {SdpaBackend::kReference, SdpaBackend::kFused}) {
+      o.backend = b;
+      expect_error<ValueError>([&] { scaled_dot_product_attention(q, q, q, o); }, {"scale", "finite"}, "scale");
+    }
+  }
+  SdpaOptions o;
+  o.scale = 2e38;  // still fine: scale * log2(e) fits in float32
+  for (SdpaBackend b : {SdpaBackend::kReference, SdpaBackend::kFused}) {
+    o.backend = b;
+    const SdpaResult r = scaled_dot_product_attention(q, q, q, o);
+    for (float x : r.output.to_vector()) EXPECT_EQ(x, 0.0f);
+  }
+}
+
+// fuzz_sdpa: the fused kernel's attention weights (need_weights) came out above 1 (1.00017 for
+// scores near 1e3): its second pass read the LSE back from natural log (two roundings away from
+// the base-2 value the forward pass used), and may recompute a score a few ulps higher than the
+// forward pass did. Now the LSE stays in base 2 and exp2's argument is capped at 0.
+TEST(FuzzRegressions, FusedWeightsNeverExceedOne) {
+  manual_seed(17);
+  for (float mag : {1.0f, 30.0f, 300.0f}) {
+    for (CausalAlignment align : {CausalAlignment::kTopLeft, CausalAlignment::kBottomRight}) {
+      const Tensor q = mul(randn({2, 3, 11, 8}), mag), k = mul(randn({2, 3, 9, 8}), mag);
+      const Tensor v = randn({2, 3, 9, 4});
+      SdpaOptions o;
+      o.backend = SdpaBackend::kFused;
+      o.is_causal = true;
+      o.causal_alignment = align;
+      o.need_weights = true;
+      const SdpaResult r = scaled_dot_product_attention(q, k, v, o);
+      for (float w : r.attn_weights.to_vector()) ASSERT_LE(w, 1.0f) << "magnitude " << mag;
+      // A query that sees exactly one key gives it weight 1 exactly.
+      const int64_t single_row = align == CausalAlignment::kTopLeft ? 0 : 11 - 9;
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t h = 0; h < 3; ++h) EXPECT_EQ(r.attn_weights.at({b, h, single_row, 0}), 1.0f) << "magnitude " << mag;
+      }
+    }
+  }
+}
+
+// fuzz_fixture_parser: the fixture parser let std::stoll's std::invalid_argument and
+// std::out_of_range escape on a malformed shape (e.g. "2,=" or "2,99999999999999999999").
+// Malformed input now throws attn::FormatError "<source>:<line>: ...".
+TEST(FuzzRegressions, FixtureParserRejectsMalformedInputWithFormatError) {
+  const std::string h = "# attn-fixtures v1 test\n";
+  const std::pair<std::string, std::string> bad[] = {
+      {h + "x\t2,=\t1 2\n", "in:2: record 'x': bad extent '='"},
+      {h + "x\t2,99999999999999999999\t1 2\n", "bad extent '99999999999999999999'"},
+      {h + "x\t-2\t\n", "bad extent '-2'"},
+      {h + "x\t1,1,1,1,1\t1\n", "more than 4 dims"},
+      {h + "x\t4611686018427387904,4\t1\n", "too many elements"},
+      {h + "x\t2\t1 2 3\n", "more than 2 values"},
+      {h + "x\t2\t1 zwei\n", "bad value 'zwei'"},
+      {h + "\nx\t1\t1\nx\t1\t2\n", "in:4: duplicate record 'x'"},
+      {h + "@text t\nbody\n", "in:3: text record 't' (line 2) has no @end"},
+      {"attn-fixtures v1\n", "in:1: expected header"},
+      {"", "in:0: expected header"},
+  };
+  for (const auto& entry : bad) {  // no structured binding: clang 14 cannot capture one
+    const std::string& text = entry.first;
+    expect_error<FormatError>([&] { (void)test::parse_fixtures(text, "in"); }, {entry.second}, text.c_str());
+  }
+  // Well-formed input parses as before, from a string or a stream.
+  const test::FixtureFile f = test::parse_fixtures(h + "s\t\t2.5\nm\t2,1\t1 -inf\n@text t\na\n\n@end\n");
+  EXPECT_EQ(f.at("s").shape, Shape{});
+  EXPECT_EQ(f.at("m").values[1], -std::numeric_limits<double>::infinity());
+  EXPECT_EQ(f.text("t"), "a\n");
 }
 
 }  // namespace

@@ -1,0 +1,771 @@
+// Fuzz target: scaled_dot_product_attention, fused kernel against the reference and the float64
+// truth.
+//
+// The bytes decode to a small problem (see decode() for the byte layout; tests/fuzz/seeds.py
+// writes the seed corpus in it): rank 2-4, B, Hq, Hkv (GQA), L, S, E, Ev in 1..40, a mask
+// (none, causal with either alignment, boolean or additive, with a broadcast shape and a
+// layout of its own), scale (default, or odd values), Philox or torch dropout, need_weights,
+// need_lse, 1 or 2 threads, the fused kernel's instruction set, a layout per input
+// (contiguous, transposed, sliced, expanded, selected; view padding is filled with NaN so a
+// read outside the view shows), values from a seeded generator at a per-tensor magnitude, and
+// "pokes" that plant NaN, Inf, huge and tiny values at chosen elements. About one input in 8
+// is made invalid on purpose (mismatched dims, empty, bad rank, bad dropout, mask that does not
+// broadcast, mask with is_causal, non-finite scale or one beyond float32's range, undefined
+// tensor).
+//
+// Properties (a violation aborts, so libFuzzer keeps the input):
+//  * Invalid arguments throw an attn::Error subclass from every backend and from the float64
+//    truth; nothing else is thrown, and valid arguments never throw (except kFused with torch
+//    dropout, which must throw ValueError).
+//  * Shapes of output, attn_weights and lse are as documented, present exactly when asked for.
+//  * Fused output, weights and lse are bit-identical for 1 and 2 threads; kAuto gives the
+//    fused result (the reference's with torch dropout).
+//  * A row whose every key is masked (causal, boolean 0, or additive -inf on finite scores)
+//    has output 0, weights 0 and lse -inf, in both backends.
+//  * Unless the problem is in the overflow domain (below), per row:
+//      - NaN pattern: fused, reference and float64 truth have NaN at the same elements of the
+//        output, the weights and the lse;
+//      - error against the truth: err(ref) <= tol and err(fused) <= 2 * err(ref) + tol, with
+//          tol(output)  = inv_keep * (1e-5 * (1 + max|v|) + 2 * max|v| * expm1(4 * delta))
+//          tol(weights) = inv_keep * (1e-5 + 2 * expm1(4 * delta))
+//          tol(lse)     = 1e-5 * (1 + |lse|) + 2 * delta
+//        where inv_keep = 1 / (1 - dropout_p) and delta bounds the float32 rounding error of
+//        the row's scores: delta = u * ((E + 6) * max_j sum_e |q_e k_e| * |scale|
+//        + 4 * max_j |additive mask| + 8), u = 2^-24. For well-scaled rows delta is ~1e-6 and
+//        the rule is FlashAttention's "2x the reference's error plus a floor"; for rows with
+//        huge scores (where float32 softmax itself is ill-conditioned) it widens accordingly.
+//        The truth is computed with a custom scale rounded to float32, the multiplier both
+//        float32 backends actually apply (so a scale that underflows float32 is 0 for all).
+//      - every finite weight lies in [0, inv_keep * (1 + 1e-6)].
+//    The overflow domain: some |q.k| (unscaled or scaled, in log2 units), |q| * scale, finite
+//    additive mask value or max|v| * inv_keep * S reaches 1e30, so that float32 intermediates
+//    may overflow in one backend and not the other; it also takes in a custom scale so tiny
+//    that the fused kernel's pre-scaled q (q * float(scale * log2 e)) underflows to 0 for a
+//    nonzero q while some key is non-finite (0 * Inf = NaN there, +-Inf in the reference).
+//    Only the structural properties are checked there.
+//    Documented exemption (docs/NUMERICS.md, "dropout_p = 1"): with torch-stream dropout and
+//    dropout_p == 1, attn::dropout returns zeros without multiplying (the reference's weights
+//    and output are 0) while the float64 truth multiplies by 0 (a NaN score stays NaN): the
+//    reference-vs-truth NaN rule is not applied there.
+//    A row is exempt from the NaN-pattern rule for the output when a non-finite value of V sits
+//    at a visible, kept key whose true weight is below 1e-30 * exp(4 * delta) (0 included):
+//    float32 backends flush such weights to zero at different thresholds (the fused exp2 at
+//    2^-126, the reference's expf at the denormal limit; float64 much later), a zero weight
+//    never multiplies V, and with a large delta (e.g. an additive mask of 1e15, which float32
+//    scores cannot resolve) a weight that is 0 in float64 can be anything in float32.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "attn/attn.hpp"
+#include "attn/philox.hpp"
+#include "fuzz_util.hpp"
+
+namespace {
+
+using namespace attn;
+using attn::fuzz::ByteReader;
+using attn::fuzz::SplitMix;
+using attn::fuzz::throws_attn_error;
+
+constexpr double kU = 0x1p-24;      // float32 unit roundoff
+constexpr double kOverflow = 1e30;  // beyond this, float32 intermediates may overflow
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+const float kSpecials[16] = {NAN,   kInf,  -kInf, 0.0f,  -0.0f, 1e4f,  -1e4f, 3e4f,
+                             1e6f,  -1e6f, 1e15f, 3e38f, 1e-30f, 1.0f, -1.0f, 1e-3f};
+const float kMagnitudes[8] = {1.0f, 1.0f, 0.1f, 3.0f, 10.0f, 100.0f, 1e-3f, 1e3f};
+const double kScales[16] = {0.0,  -1.0,  0.125, 1.0,   1e-3,  1e3,   1e-20, 1e20,
+                            -0.5, 2e38, 1e-40, 5e-324, 2.0,  -1e-3, 1e-8, 30.0};
+const float kDropouts[8] = {0.1f, 0.5f, 0.9f, 1.0f, 1e-7f, 0.99999994f, 1e-30f, 0.25f};
+const float kBadDropouts[6] = {-0.1f, 1.5f, NAN, kInf, -kInf, 1.0000001f};
+// Non-finite, or finite in float64 but with scale * log2(e) beyond float32's range (the fused
+// kernel's multiplier; check_sdpa rejects above FLT_MAX / log2(e) = 2.36e38).
+const double kBadScales[6] = {NAN, std::numeric_limits<double>::infinity(),
+                              -std::numeric_limits<double>::infinity(), 1e40, -3e38,
+                              std::numeric_limits<double>::max()};
+const char* const kIsas[3] = {"", "avx2", "generic"};
+
+enum Invalid {
+  kEmbedMismatch, kValueLengthMismatch, kRankMismatch, kLeadMismatch, kGqaNotDivisible,
+  kKvHeadsDiffer, kEmpty, kBadRank, kBadDropout, kMaskNoBroadcast, kMaskWithCausal,
+  kBadScale, kUndefined, kNumInvalid
+};
+
+// ---- problem ------------------------------------------------------------------------------------
+
+struct Problem {
+  bool invalid = false;
+  int invalid_kind = 0;
+  int invalid_arg = 0;
+  int rank = 2;
+  int64_t B = 1, Hq = 1, Hkv = 1, group = 1, L = 1, S = 1, E = 1, Ev = 1;
+  int mask_mode = 0;  // 0 none, 1 causal, 2 boolean, 3 additive
+  bool bottom_right = false;
+  int mask_rank = 2;
+  uint8_t mask_full_bits = 0xff;
+  int mask_layout = 0;
+  float mask_density = 0;
+  std::optional<double> scale;
+  float dropout_p = 0;
+  bool torch_rng = false;
+  uint64_t dropout_seed = 0;
+  uint32_t dropout_offset = 0;
+  bool need_weights = false, need_lse = false, enable_gqa = false;
+  int threads = 1;
+  int isa = 0;
+  int layout[3] = {0, 0, 0};
+  uint64_t value_seed = 0;
+  float mag[4] = {1, 1, 1, 1};
+};
+
+// Byte layout (every read past the end gives 0):
+//   0 mode (mode % 8 == 7: invalid)   1 invalid kind   2 invalid argument
+//   3 rank   4 B   5 Hkv   6 group   7 gqa flag   8 L   9 S   10 E   11 Ev
+//   12 mask mode   13 flags (1 bottom-right, 2 need_weights, 4 need_lse, 8 two threads)
+//   14 mask rank   15 mask full/broadcast bits   16 mask layout   17 mask density
+//   18 scale   19 dropout   20 torch rng   21-28 dropout seed   29-32 dropout offset
+//   33 isa   34-36 layouts of q, k, v   37-44 value seed   45-48 magnitudes of q, k, v, mask
+//   then pokes of 4 bytes: tensor (q, k, v, mask), element index (u16), special value.
+Problem decode(ByteReader& in) {
+  Problem p;
+  p.invalid = (in.u8() & 7) == 7;
+  p.invalid_kind = in.pick(kNumInvalid);
+  p.invalid_arg = in.u8();
+  p.rank = 2 + in.pick(3);
+  p.B = 1 + in.pick(2);
+  p.Hkv = 1 + in.pick(2);
+  p.group = 1 + in.pick(3);
+  const bool gqa_flag = in.flag();
+  p.L = 1 + in.pick(40);
+  p.S = 1 + in.pick(40);
+  p.E = 1 + in.pick(40);
+  p.Ev = 1 + in.pick(40);
+  if (p.rank == 2) p.Hkv = 1, p.group = 1;
+  if (p.rank <= 3) p.B = 1;
+  p.Hq = p.Hkv * p.group;
+  p.enable_gqa = p.group > 1 || gqa_flag;
+  p.mask_mode = in.pick(4);
+  const uint8_t flags = in.u8();
+  p.bottom_right = flags & 1;
+  p.need_weights = flags & 2;
+  p.need_lse = flags & 4;
+  p.threads = (flags & 8) ? 2 : 1;
+  p.mask_rank = 1 + in.pick(p.rank);
+  p.mask_full_bits = in.u8();
+  p.mask_layout = in.pick(3);
+  p.mask_density = in.u8() / 255.0f;
+  const uint8_t sc = in.u8();
+  if (sc >= 208) {
+    p.scale = kScales[sc % 16];
+  } else if (sc >= 160) {
+    p.scale = (static_cast<int>(sc) - 184) / 8.0;
+  }
+  const uint8_t dp = in.u8();
+  if (dp >= 176) p.dropout_p = kDropouts[dp % 8];
+  p.torch_rng = in.u8() >= 224;
+  p.dropout_seed = in.u64();
+  p.dropout_offset = in.u32();
+  p.isa = in.pick(3);
+  for (int& l : p.layout) l = in.pick(7);
+  p.value_seed = in.u64();
+  for (float& m : p.mag) m = kMagnitudes[in.u8() % 8];
+  return p;
+}
+
+// ---- operands -----------------------------------------------------------------------------------
+
+struct Operand {
+  TensorView view;
+  std::vector<int64_t> offsets;  // of every logical element, row-major
+};
+
+// A view of logical shape `shape` in one of several layouts over NaN-filled storage, with its
+// logical elements filled by `fill(k)`.
+template <typename Fill>
+Operand make_operand(const Shape& shape, int layout, std::deque<Tensor>& owned, Fill&& fill) {
+  const int n = shape.ndim();
+  bool empty = false;
+  for (int64_t d : shape) empty = empty || d <= 0;
+  if (n < 2 || empty) layout = 0;
+  if (layout == 2 && n < 3) layout = 1;
+  if (layout == 5 && n < 3) layout = 3;
+  if (layout == 6 && n == kMaxDims) layout = 4;
+  Shape st = shape;
+  switch (layout) {
+    case 1: std::swap(st[n - 1], st[n - 2]); break;
+    case 2: std::swap(st[n - 2], st[n - 3]); break;
+    case 3: st[n - 1] += 3; break;
+    case 4: st[n - 2] += 2; break;
+    case 5: st[n - 3] = 1; break;
+    case 6: {
+      Shape s;
+      s.push_back(3);
+      for (int64_t d : shape) s.push_back(d);
+      st = s;
+      break;
+    }
+    default: break;
+  }
+  owned.push_back(Tensor::full(st, NAN));
+  const Tensor& t = owned.back();
+  TensorView v = t;
+  switch (layout) {
+    case 1: v = t.transpose(-1, -2); break;
+    case 2: v = t.transpose(-2, -3); break;
+    case 3: v = t.slice(-1, 1, 1 + shape[n - 1]); break;
+    case 4: v = t.slice(-2, 2, 2 + shape[n - 2]); break;
+    case 5: v = t.expand(shape); break;
+    case 6: v = t.select(0, 1); break;
+    default: break;
+  }
+  Operand op{v, {}};
+  for_each_offset(v, [&](int64_t off) { op.offsets.push_back(off); });
+  for (size_t k = 0; k < op.offsets.size(); ++k) v.data()[op.offsets[k]] = fill(k);
+  return op;
+}
+
+// ---- comparisons --------------------------------------------------------------------------------
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  if (!(a.shape() == b.shape())) return false;
+  const std::vector<float> x = a.to_vector(), y = b.to_vector();
+  return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+}
+
+bool same_result(const SdpaResult& a, const SdpaResult& b) {
+  return same_bits(a.output, b.output) && same_bits(a.attn_weights, b.attn_weights) && same_bits(a.lse, b.lse);
+}
+
+// |x - t|, 0 when equal (also equal infinities), inf when only one is finite. NaN: not here.
+double err(double x, double t) {
+  if (x == t) return 0.0;
+  if (!std::isfinite(x) || !std::isfinite(t)) return std::numeric_limits<double>::infinity();
+  return std::fabs(x - t);
+}
+
+std::string describe(const Problem& p) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "rank %d B %lld Hq %lld Hkv %lld L %lld S %lld E %lld Ev %lld gqa %d mask_mode %d br %d "
+                "mask_rank %d scale %s%g dropout %g torch %d weights %d lse %d threads %d isa '%s' "
+                "layouts %d %d %d",
+                p.rank, (long long)p.B, (long long)p.Hq, (long long)p.Hkv, (long long)p.L, (long long)p.S,
+                (long long)p.E, (long long)p.Ev, p.enable_gqa, p.mask_mode, p.bottom_right, p.mask_rank,
+                p.scale ? "" : "default ", p.scale ? *p.scale : 0.0, p.dropout_p, p.torch_rng,
+                p.need_weights, p.need_lse, p.threads, kIsas[p.isa], p.layout[0], p.layout[1], p.layout[2]);
+  return buf;
+}
+
+#define CHECK_ROW(cond, what)                                                                       \
+  do {                                                                                              \
+    if (!(cond)) {                                                                                  \
+      dump_row(b, i);                                                                               \
+      attn::fuzz::fuzz_fail("%s:%d: %s (row b=%lld i=%lld): '%s' failed\n  problem: %s", __FILE__,   \
+                            __LINE__, what, (long long)b, (long long)i, #cond, desc.c_str());        \
+    }                                                                                               \
+  } while (0)
+
+void run(ByteReader& in) {
+  Problem p = decode(in);
+  std::deque<Tensor> owned;
+  SplitMix rng(p.value_seed);
+
+  // Shapes, possibly made invalid.
+  int q_rank = p.rank, k_rank = p.rank, v_rank = p.rank;
+  int64_t qB = p.B, kB = p.B, vB = p.B, qH = p.Hq, kH = p.Hkv, vH = p.Hkv;
+  int64_t qL = p.L, kS = p.S, vS = p.S, qE = p.E, kE = p.E, vEv = p.Ev;
+  bool mask_with_causal = false, undefined_mask = false;
+  int undefined_operand = -1;
+  int mask_bad_dim = 0;  // 1: last dim S + 1, 2: dim -2 L + 1
+  std::optional<double> scale = p.scale;
+  float dropout_p = p.dropout_p;
+  if (p.invalid) {
+    const int a = p.invalid_arg;
+    switch (p.invalid_kind) {
+      case kEmbedMismatch: kE = p.E + 1 + a % 3; break;
+      case kValueLengthMismatch: vS = p.S + 1 + a % 3; break;
+      case kRankMismatch:
+        if (a & 1) {
+          k_rank = p.rank == 2 ? 3 : p.rank - 1;
+        } else {
+          v_rank = p.rank == 4 ? 3 : p.rank + 1;
+        }
+        break;
+      case kLeadMismatch:
+        if (p.rank == 4 && (a & 1)) {
+          kB = vB = p.B + 1;
+        } else if (p.rank >= 3) {
+          kH = vH = qH + 1;  // not a divisor of Hq either
+        } else {
+          kE = p.E + 1;
+        }
+        break;
+      case kGqaNotDivisible:
+        if (p.rank >= 3) {
+          qH = 3, kH = vH = 2;
+          p.enable_gqa = true;
+        } else {
+          vS = p.S + 1;
+        }
+        break;
+      case kKvHeadsDiffer:
+        if (p.rank >= 3) {
+          vH = kH + 1;
+        } else {
+          kE = p.E + 1;
+        }
+        break;
+      case kEmpty:
+        switch (a % 5) {
+          case 0: qL = 0; break;
+          case 1: kS = vS = 0; break;
+          case 2: qE = kE = 0; break;
+          case 3: vEv = 0; break;
+          default:
+            if (p.rank == 4) {
+              qB = kB = vB = 0;
+            } else {
+              qL = 0;
+            }
+            break;
+        }
+        break;
+      case kBadRank: {
+        const int which = a % 3;
+        (which == 0 ? q_rank : which == 1 ? k_rank : v_rank) = (a & 4) ? 0 : 1;
+        break;
+      }
+      case kBadDropout: dropout_p = kBadDropouts[a % 6]; break;
+      case kMaskNoBroadcast:
+        if (p.mask_mode < 2) p.mask_mode = 2 + (a & 1);
+        mask_bad_dim = 1 + ((a >> 1) & 1);
+        break;
+      case kMaskWithCausal:
+        if (p.mask_mode < 2) p.mask_mode = 2 + (a & 1);
+        mask_with_causal = true;
+        break;
+      case kBadScale: scale = kBadScales[a % 6]; break;
+      default:  // kUndefined
+        if (a % 4 == 3) {
+          if (p.mask_mode < 2) p.mask_mode = 2 + (a & 1);
+          undefined_mask = true;
+        } else {
+          undefined_operand = a % 4;
+        }
+        break;
+    }
+  }
+
+  auto shape_for = [&](int rank, int64_t b, int64_t h, int64_t rows, int64_t cols) {
+    Shape s;
+    if (rank >= 4) s.push_back(b);
+    if (rank >= 3) s.push_back(h);
+    if (rank >= 2) s.push_back(rows);
+    s.push_back(cols);
+    return rank == 0 ? Shape{} : s;
+  };
+  const Shape q_shape = shape_for(q_rank, qB, qH, qL, qE);
+  const Shape k_shape = shape_for(k_rank, kB, kH, kS, kE);
+  const Shape v_shape = shape_for(v_rank, vB, vH, vS, vEv);
+  auto gen_value = [&](int t) { return [&rng, &p, t](size_t) { return rng.normal() * p.mag[t]; }; };
+  Operand q = make_operand(q_shape, p.layout[0], owned, gen_value(0));
+  Operand k = make_operand(k_shape, p.layout[1], owned, gen_value(1));
+  Operand v = make_operand(v_shape, p.layout[2], owned, gen_value(2));
+
+  // The mask: the last mask_rank dims of lead + (L, S), each either full or 1.
+  Operand mask;
+  const bool is_bool = p.mask_mode == 2, is_add = p.mask_mode == 3;
+  if (is_bool || is_add) {
+    Shape target;
+    if (q_rank >= 4) target.push_back(qB);
+    if (q_rank >= 3) target.push_back(qH);
+    target.push_back(qL);
+    target.push_back(kS);
+    const int mr = std::min(p.mask_rank, target.ndim());
+    Shape ms;
+    for (int i = target.ndim() - mr; i < target.ndim(); ++i) {
+      const bool full = (p.mask_full_bits >> i) & 1;
+      ms.push_back(full ? target[i] : 1);
+    }
+    if (mask_bad_dim == 1) ms[ms.ndim() - 1] = kS + 1;
+    if (mask_bad_dim == 2) {
+      if (ms.ndim() >= 2) {
+        ms[ms.ndim() - 2] = qL + 1;
+      } else {
+        ms[0] = kS + 2;
+      }
+    }
+    const float density = p.mask_density;
+    const float mag = p.mag[3];
+    mask = make_operand(ms, p.mask_layout == 2 ? 3 : p.mask_layout, owned, [&](size_t) {
+      const bool masked = rng.uniform() < density;
+      if (is_bool) return masked ? 0.0f : 1.0f;
+      return masked ? -kInf : rng.normal() * mag;
+    });
+  }
+
+  // Pokes: special values at chosen logical elements.
+  while (in.remaining() >= 4) {
+    const int t = in.pick(4);
+    const uint16_t idx = in.u16();
+    const float val = kSpecials[in.u8() % 16];
+    Operand* op = t == 0 ? &q : t == 1 ? &k : t == 2 ? &v : &mask;
+    if (op->offsets.empty()) continue;
+    op->view.data()[op->offsets[idx % op->offsets.size()]] = val;
+  }
+
+  SdpaOptions o;
+  if (is_bool) o.attn_mask = AttnMask::boolean(undefined_mask ? TensorView() : mask.view);
+  if (is_add) o.attn_mask = AttnMask::additive(undefined_mask ? TensorView() : mask.view);
+  o.is_causal = p.mask_mode == 1 || mask_with_causal;
+  o.causal_alignment = p.bottom_right ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
+  o.scale = scale;
+  o.enable_gqa = p.enable_gqa;
+  o.need_weights = p.need_weights;
+  o.need_lse = p.need_lse;
+  o.dropout_p = dropout_p;
+  o.dropout_rng = p.torch_rng ? DropoutRng::kTorch : DropoutRng::kPhilox;
+  o.dropout_seed = p.dropout_seed;
+  o.dropout_offset = p.dropout_offset;
+  o.num_threads = p.threads;
+  setenv("ATTN_CPU_ISA", kIsas[p.isa], 1);
+
+  const TensorView qv = undefined_operand == 0 ? TensorView() : q.view;
+  const TensorView kv = undefined_operand == 1 ? TensorView() : k.view;
+  const TensorView vv = undefined_operand == 2 ? TensorView() : v.view;
+  const std::string desc = describe(p);
+
+  auto call = [&](SdpaBackend backend, uint64_t gen_seed, SdpaResult* out, int threads = 0) {
+    SdpaOptions oo = o;
+    oo.backend = backend;
+    if (threads > 0) oo.num_threads = threads;
+    Generator gen(gen_seed);
+    oo.generator = &gen;
+    SdpaResult r = scaled_dot_product_attention(qv, kv, vv, oo);
+    if (out != nullptr) *out = std::move(r);
+  };
+  const uint64_t gen_seed = p.dropout_seed ^ 0x5eed;
+
+  if (p.invalid) {
+    const char* names[3] = {"reference", "fused", "auto"};
+    const SdpaBackend backends[3] = {SdpaBackend::kReference, SdpaBackend::kFused, SdpaBackend::kAuto};
+    for (int b = 0; b < 3; ++b) {
+      const bool threw = throws_attn_error(names[b], [&] { call(backends[b], gen_seed, nullptr); });
+      if (!threw) {
+        attn::fuzz::fuzz_fail("invalid arguments (kind %d, arg %d) accepted by %s backend\n  problem: %s",
+                              p.invalid_kind, p.invalid_arg, names[b], desc.c_str());
+      }
+    }
+    Generator gen(gen_seed);
+    SdpaOptions oo = o;
+    oo.generator = &gen;
+    const bool threw = throws_attn_error("f64", [&] { reference::scaled_dot_product_attention_f64(qv, kv, vv, oo); });
+    if (!threw) {
+      attn::fuzz::fuzz_fail("invalid arguments (kind %d, arg %d) accepted by the float64 truth\n  problem: %s",
+                            p.invalid_kind, p.invalid_arg, desc.c_str());
+    }
+    return;
+  }
+
+  // ---- valid: run everything; nothing may throw ------------------------------------------------
+  const bool torch_dropout = o.dropout_p > 0.0f && o.dropout_rng == DropoutRng::kTorch;
+  SdpaResult ref, fused, fused_other, autor;
+  reference::SdpaResultF64 truth;
+  auto must_not_throw = [&](const char* what, auto&& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      attn::fuzz::fuzz_fail("%s threw on valid arguments: %s\n  problem: %s", what, e.what(), desc.c_str());
+    }
+  };
+  must_not_throw("reference", [&] { call(SdpaBackend::kReference, gen_seed, &ref); });
+  must_not_throw("f64 truth", [&] {
+    Generator gen(gen_seed);
+    SdpaOptions oo = o;
+    oo.generator = &gen;
+    oo.need_lse = true;  // for the messages below
+    // The truth multiplies by the scale both float32 backends use: the float32 rounding of a
+    // custom scale (5e-324 is 0 there, and inf * 0 is NaN; in float64 it would be -inf).
+    if (oo.scale) oo.scale = static_cast<double>(static_cast<float>(*oo.scale));
+    truth = reference::scaled_dot_product_attention_f64(qv, kv, vv, oo);
+  });
+  must_not_throw("auto", [&] { call(SdpaBackend::kAuto, gen_seed, &autor); });
+  if (torch_dropout) {
+    try {
+      call(SdpaBackend::kFused, gen_seed, nullptr);
+      attn::fuzz::fuzz_fail("fused accepted torch-stream dropout\n  problem: %s", desc.c_str());
+    } catch (const ValueError&) {
+    } catch (const std::exception& e) {
+      attn::fuzz::fuzz_fail("fused with torch dropout threw the wrong type: %s", e.what());
+    }
+    ATTN_FUZZ_CHECKF(same_result(autor, ref), "kAuto differs from kReference with torch dropout; %s", desc.c_str());
+  } else {
+    must_not_throw("fused", [&] { call(SdpaBackend::kFused, gen_seed, &fused); });
+    must_not_throw("fused (other thread count)", [&] { call(SdpaBackend::kFused, gen_seed, &fused_other, 3 - p.threads); });
+    ATTN_FUZZ_CHECKF(same_result(fused, fused_other), "fused differs between 1 and 2 threads; %s", desc.c_str());
+    ATTN_FUZZ_CHECKF(same_result(autor, fused), "kAuto differs from kFused; %s", desc.c_str());
+  }
+
+  // ---- shapes ---------------------------------------------------------------------------------
+  Shape lead;
+  for (int i = 0; i < p.rank - 2; ++i) lead.push_back(q_shape[i]);
+  Shape out_shape = lead, w_shape = lead, lse_shape = lead;
+  out_shape.push_back(p.L), out_shape.push_back(p.Ev);
+  w_shape.push_back(p.L), w_shape.push_back(p.S);
+  lse_shape.push_back(p.L);
+  std::vector<const SdpaResult*> results = {&ref};
+  if (!torch_dropout) results.push_back(&fused);
+  for (const SdpaResult* r : results) {
+    ATTN_FUZZ_CHECKF(r->output.shape() == out_shape, "output shape %s, expected %s; %s", r->output.shape().str().c_str(),
+                     out_shape.str().c_str(), desc.c_str());
+    ATTN_FUZZ_CHECK(r->attn_weights.defined() == p.need_weights);
+    if (p.need_weights) ATTN_FUZZ_CHECK(r->attn_weights.shape() == w_shape);
+    ATTN_FUZZ_CHECK(r->lse.defined() == p.need_lse);
+    if (p.need_lse) ATTN_FUZZ_CHECK(r->lse.shape() == lse_shape);
+  }
+  ATTN_FUZZ_CHECK(truth.output_shape == out_shape);
+
+  // ---- values -----------------------------------------------------------------------------------
+  const std::vector<float> qx = q.view.to_vector(), kx = k.view.to_vector(), vx = v.view.to_vector();
+  std::vector<float> mx;
+  if (o.attn_mask) {
+    Shape target = lead;
+    target.push_back(p.L);
+    target.push_back(p.S);
+    mx = mask.view.expand(target).to_vector();
+  }
+  const int64_t batch = lead.numel();
+  const int64_t L = p.L, S = p.S, E = p.E, Ev = p.Ev;
+  const double scale_eff = o.scale ? std::fabs(*o.scale) : 1.0 / std::sqrt(static_cast<double>(E));
+  const double inv_keep = (o.dropout_p > 0.0f && o.dropout_p < 1.0f) ? 1.0 / (1.0 - o.dropout_p) : 1.0;
+  const bool philox = o.dropout_p > 0.0f && !torch_dropout;
+  const int64_t causal_off = o.is_causal && p.bottom_right ? S - L : 0;
+
+  // The overflow domain.
+  double vmax = 0, qmax = 0, mmax = 0;
+  for (float x : vx) if (std::isfinite(x)) vmax = std::max(vmax, std::fabs(static_cast<double>(x)));
+  for (float x : qx) if (std::isfinite(x)) qmax = std::max(qmax, std::fabs(static_cast<double>(x)));
+  if (is_add) for (float x : mx) if (std::isfinite(x)) mmax = std::max(mmax, std::fabs(static_cast<double>(x)));
+  // Sum of |q_e k_e| over finite products, per (b, i, j).
+  std::vector<double> absdot(static_cast<size_t>(batch * L * S));
+  double dotmax = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t kb = (b / p.Hq) * p.Hkv + (b % p.Hq) / p.group;
+    for (int64_t i = 0; i < L; ++i) {
+      for (int64_t j = 0; j < S; ++j) {
+        double s = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          const double a = qx[static_cast<size_t>((b * L + i) * E + e)], c = kx[static_cast<size_t>((kb * S + j) * E + e)];
+          if (std::isfinite(a) && std::isfinite(c)) s += std::fabs(a * c);
+        }
+        absdot[static_cast<size_t>((b * L + i) * S + j)] = s;
+        dotmax = std::max(dotmax, s);
+      }
+    }
+  }
+  // Whether each key row of k and each value row of v is all finite, per (kv head, key).
+  const int64_t kv_rows = static_cast<int64_t>(kx.size()) / E;
+  std::vector<uint8_t> k_row_finite(static_cast<size_t>(kv_rows), 1), v_row_finite(static_cast<size_t>(kv_rows), 1);
+  for (int64_t r = 0; r < kv_rows; ++r) {
+    for (int64_t e = 0; e < E; ++e) k_row_finite[r] &= std::isfinite(kx[static_cast<size_t>(r * E + e)]);
+    for (int64_t e = 0; e < Ev; ++e) v_row_finite[r] &= std::isfinite(vx[static_cast<size_t>(r * Ev + e)]);
+  }
+  const double log2e = std::numbers::log2e;
+  // The fused kernel pre-scales q by float(scale * log2(e)); with a tiny custom scale a tiny
+  // nonzero q_e can underflow to 0 there, and 0 * Inf (an infinite key) is NaN where the
+  // reference has +-Inf. Such problems (tiny scale, tiny q, non-finite k) join the overflow domain.
+  bool prescale_underflow = false;
+  if (o.scale) {
+    const float sl = static_cast<float>(*o.scale * log2e);
+    for (float x : qx) prescale_underflow = prescale_underflow || (x != 0.0f && std::isfinite(x) && x * sl == 0.0f);
+    bool k_all_finite = true;
+    for (uint8_t f : k_row_finite) k_all_finite = k_all_finite && f;
+    prescale_underflow = prescale_underflow && !k_all_finite;
+  }
+  const bool overflow = dotmax >= kOverflow || dotmax * scale_eff * log2e >= kOverflow ||
+                        qmax * scale_eff * log2e >= kOverflow || mmax * log2e >= kOverflow ||
+                        vmax * inv_keep * static_cast<double>(S) >= kOverflow || prescale_underflow;
+
+  const std::vector<float> rout = ref.output.to_vector();
+  const std::vector<float> fout = torch_dropout ? std::vector<float>() : fused.output.to_vector();
+  const std::vector<float> rw = p.need_weights ? ref.attn_weights.to_vector() : std::vector<float>();
+  const std::vector<float> fw = p.need_weights && !torch_dropout ? fused.attn_weights.to_vector() : std::vector<float>();
+  const std::vector<float> rl = p.need_lse ? ref.lse.to_vector() : std::vector<float>();
+  const std::vector<float> fl = p.need_lse && !torch_dropout ? fused.lse.to_vector() : std::vector<float>();
+  const bool have_fused = !torch_dropout;
+  const bool torch_drop_all = torch_dropout && o.dropout_p == 1.0f;  // see "Known exemption"
+
+  // With ATTN_FUZZ_VERBOSE set, a failing row prints its inputs and results.
+  auto dump_row = [&](int64_t b, int64_t i) {
+    if (std::getenv("ATTN_FUZZ_VERBOSE") == nullptr) return;
+    const int64_t kb = (b / p.Hq) * p.Hkv + (b % p.Hq) / p.group;
+    const size_t row = static_cast<size_t>(b * L + i);
+    auto print = [](const char* name, auto first, int64_t n) {
+      std::fprintf(stderr, "%s:", name);
+      for (int64_t x = 0; x < n; ++x) std::fprintf(stderr, " %.9g", static_cast<double>(first[x]));
+      std::fprintf(stderr, "\n");
+    };
+    print("q", qx.begin() + row * E, E);
+    for (int64_t j = 0; j < S; ++j) {
+      std::fprintf(stderr, "key %lld ", (long long)j);
+      print("k", kx.begin() + (kb * S + j) * E, E);
+      std::fprintf(stderr, "key %lld ", (long long)j);
+      print("v", vx.begin() + (kb * S + j) * Ev, Ev);
+    }
+    if (!mx.empty()) print("mask", mx.begin() + row * S, S);
+    print("truth weights", truth.attn_weights.begin() + row * S, S);
+    if (!rw.empty()) print("reference weights", rw.begin() + row * S, S);
+    if (!fw.empty()) print("fused weights", fw.begin() + row * S, S);
+    print("truth out", truth.output.begin() + row * Ev, Ev);
+    print("reference out", rout.begin() + row * Ev, Ev);
+    if (!fout.empty()) print("fused out", fout.begin() + row * Ev, Ev);
+    std::fprintf(stderr, "lse truth %.9g reference %.9g fused %.9g\n", truth.lse[row], rl.empty() ? NAN : rl[row],
+                 fl.empty() ? NAN : fl[row]);
+  };
+
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t kb = (b / p.Hq) * p.Hkv + (b % p.Hq) / p.group;
+    for (int64_t i = 0; i < L; ++i) {
+      const size_t row = static_cast<size_t>(b * L + i);
+      bool q_finite = true;
+      for (int64_t e = 0; e < E; ++e) q_finite = q_finite && std::isfinite(qx[row * E + e]);
+      // Which keys are certainly masked, and the row's score-error bound.
+      bool all_masked = true, ambiguous = false;
+      double amax = 0, madd = 0;
+      for (int64_t j = 0; j < S; ++j) {
+        const bool k_finite = k_row_finite[static_cast<size_t>(kb * S + j)];
+        bool masked = o.is_causal && j > i + causal_off;
+        const float m = mx.empty() ? 0.0f : mx[row * S + j];
+        if (is_bool && m == 0.0f) masked = true;
+        if (is_add && m == -kInf && q_finite && k_finite && !overflow) masked = true;
+        if (masked) continue;
+        if (is_add && m == -kInf) {  // not certainly masked (a NaN/Inf score may survive it)
+          all_masked = false;
+          continue;
+        }
+        all_masked = false;
+        amax = std::max(amax, absdot[row * S + j] * scale_eff);
+        if (is_add && std::isfinite(m)) madd = std::max(madd, std::fabs(static_cast<double>(m)));
+      }
+      const double delta = kU * ((E + 6) * amax + 4 * madd + 8);
+      for (int64_t j = 0; j < S && !all_masked; ++j) {
+        if (v_row_finite[static_cast<size_t>(kb * S + j)]) continue;
+        if (philox && !philox_dropout_keep(o.dropout_seed, o.dropout_offset, b, i, j, o.dropout_p)) continue;
+        const double w = truth.attn_weights[row * S + j] / inv_keep;
+        if (w < 1e-30 * std::exp(std::min(4 * delta, 700.0))) ambiguous = true;
+      }
+
+      // Fully masked rows: exactly 0 / -inf everywhere.
+      if (all_masked) {
+        for (int64_t e = 0; e < Ev; ++e) {
+          CHECK_ROW(rout[row * Ev + e] == 0.0f, "fully masked row: reference output not 0");
+          if (have_fused) CHECK_ROW(fout[row * Ev + e] == 0.0f, "fully masked row: fused output not 0");
+          CHECK_ROW(truth.output[row * Ev + e] == 0.0, "fully masked row: truth output not 0");
+        }
+        if (p.need_lse) {
+          CHECK_ROW(rl[row] == -kInf, "fully masked row: reference lse not -inf");
+          if (have_fused) CHECK_ROW(fl[row] == -kInf, "fully masked row: fused lse not -inf");
+        }
+        if (p.need_weights) {
+          for (int64_t j = 0; j < S; ++j) {
+            CHECK_ROW(rw[row * S + j] == 0.0f, "fully masked row: reference weight not 0");
+            if (have_fused) CHECK_ROW(fw[row * S + j] == 0.0f, "fully masked row: fused weight not 0");
+          }
+        }
+        continue;
+      }
+      if (overflow) continue;
+
+      // Output.
+      if (!ambiguous) {
+        double err_r = 0, err_f = 0;
+        for (int64_t e = 0; e < Ev; ++e) {
+          const double t = truth.output[row * Ev + e], r = rout[row * Ev + e];
+          CHECK_ROW(torch_drop_all || std::isnan(r) == std::isnan(t), "output NaN pattern: reference vs truth");
+          if (have_fused) {
+            const double f = fout[row * Ev + e];
+            CHECK_ROW(std::isnan(f) == std::isnan(t), "output NaN pattern: fused vs truth/reference");
+            if (!std::isnan(t)) err_f = std::max(err_f, err(f, t));
+          }
+          if (!std::isnan(t)) err_r = std::max(err_r, err(r, t));
+        }
+        const double cond = vmax > 0 ? 2 * vmax * std::expm1(4 * delta) : 0.0;  // never 0 * inf
+        const double tol = inv_keep * (1e-5 * (1 + vmax) + cond);
+        CHECK_ROW(err_r <= tol, "output: reference error vs truth above the bound");
+        if (have_fused) {
+          if (!(err_f <= 2 * err_r + tol)) {
+            attn::fuzz::fuzz_fail("output: fused error %.3g > 2 * reference error %.3g + tol %.3g (delta %.3g) "
+                                  "at row b=%lld i=%lld\n  problem: %s", err_f, err_r, tol, delta,
+                                  (long long)b, (long long)i, desc.c_str());
+          }
+        }
+      }
+
+      // Weights.
+      if (p.need_weights) {
+        double err_r = 0, err_f = 0;
+        const double wmax = inv_keep * (1 + 1e-6);
+        for (int64_t j = 0; j < S; ++j) {
+          const double t = truth.attn_weights[row * S + j], r = rw[row * S + j];
+          CHECK_ROW(torch_drop_all || std::isnan(r) == std::isnan(t), "weights NaN pattern: reference vs truth");
+          CHECK_ROW(std::isnan(r) || (r >= 0 && r <= wmax), "reference weight outside [0, 1/(1-p)]");
+          if (!std::isnan(t)) err_r = std::max(err_r, err(r, t));
+          if (have_fused) {
+            const double f = fw[row * S + j];
+            CHECK_ROW(std::isnan(f) == std::isnan(t), "weights NaN pattern: fused vs truth/reference");
+            if (!(std::isnan(f) || (f >= 0 && f <= wmax))) {
+              attn::fuzz::fuzz_fail("fused weight %.9g at row b=%lld i=%lld key %lld outside [0, %g] (reference %.9g; "
+                                    "lse: truth %.9g, reference %.9g, fused %.9g)\n  problem: %s", f, (long long)b,
+                                    (long long)i, (long long)j, wmax, r, truth.lse[row], p.need_lse ? rl[row] : NAN,
+                                    p.need_lse ? fl[row] : NAN, desc.c_str());
+            }
+            if (!std::isnan(t)) err_f = std::max(err_f, err(f, t));
+          }
+        }
+        const double tol = inv_keep * (1e-5 + 2 * std::expm1(4 * delta));
+        CHECK_ROW(err_r <= tol, "weights: reference error vs truth above the bound");
+        if (have_fused) {
+          if (!(err_f <= 2 * err_r + tol)) {
+            attn::fuzz::fuzz_fail("weights: fused error %.3g > 2 * reference error %.3g + tol %.3g at row b=%lld "
+                                  "i=%lld\n  problem: %s", err_f, err_r, tol, (long long)b, (long long)i, desc.c_str());
+          }
+        }
+      }
+
+      // LSE.
+      if (p.need_lse) {
+        const double t = truth.lse[row], r = rl[row];
+        CHECK_ROW(std::isnan(r) == std::isnan(t), "lse NaN pattern: reference vs truth");
+        CHECK_ROW((r == -kInf) == (t == -HUGE_VAL), "lse -inf pattern: reference vs truth");
+        const double tol = 1e-5 * (1 + std::fabs(t)) + 2 * delta;
+        if (std::isfinite(t)) CHECK_ROW(err(r, t) <= tol, "lse: reference error vs truth above the bound");
+        if (have_fused) {
+          const double f = fl[row];
+          CHECK_ROW(std::isnan(f) == std::isnan(t), "lse NaN pattern: fused vs truth/reference");
+          CHECK_ROW((f == -kInf) == (t == -HUGE_VAL), "lse -inf pattern: fused vs truth/reference");
+          if (std::isfinite(t) && !(err(f, t) <= 2 * err(r, t) + tol)) {
+            attn::fuzz::fuzz_fail("lse: fused %.9g, reference %.9g, truth %.9g (tol %.3g) at row b=%lld i=%lld\n"
+                                  "  problem: %s", f, r, t, tol, (long long)b, (long long)i, desc.c_str());
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  ByteReader in(data, size);
+  run(in);
+  return 0;
+}

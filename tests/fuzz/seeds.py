@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora under tests/fuzz/corpus/<target>/ (committed; rerun after changing a
+target's byte layout). Each seed is small and covers one feature, so libFuzzer starts from
+inputs that already reach every option; it mutates copies (scripts/fuzz.sh), never these."""
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write(target, name, data):
+    d = os.path.join(HERE, "corpus", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+# ---- fuzz_fixture_parser: fixture-file snippets ---------------------------------------------------
+HEADER = "# attn-fixtures v1 seed corpus\n"
+write("fuzz_fixture_parser", "tensors", HEADER +
+      "scalar\t\t2.5\n"
+      "vec\t3\t1.0 -2.5e-3 0.1\n"
+      "mat\t2,3\t0 1 2 3 4 5\n"
+      "# a comment\n\n"
+      "empty\t0,4\t\n"
+      "rank4\t1,1,2,1\tnan -inf\n")
+write("fuzz_fixture_parser", "text", HEADER +
+      "@text printed\ntensor([[1.0000, 0.0000],\n        [0.5517, 0.4483]])\n@end\n"
+      "@text empty\n@end\n")
+write("fuzz_fixture_parser", "mixed", HEADER +
+      "x\t2\t0x1p-3 1e-320\n@text x\nsame name, other kind\n\n@end\ny/f64\t1\t3.141592653589793\n")
+write("fuzz_fixture_parser", "bad_count", HEADER + "x\t2,2\t1 2 3\n")
+write("fuzz_fixture_parser", "bad_shape", HEADER + "x\t2,a\t1 2\n")
+write("fuzz_fixture_parser", "unclosed_text", HEADER + "@text t\nno end\n")
+
+# ---- fuzz_tensor_views: start tensor, then (op, args...) ------------------------------------------
+# Start: rank (% 5), extents (% 5 each). Ops (% 11): 0 view(r, extents...), 1 transpose(d0, d1),
+# 2 t, 3 select(d, i), 4 slice(d, start, end), 5 unsqueeze(d), 6 squeeze(d), 7 expand(r, [sel,
+# extent]...), 8 contiguous, 9 at(sel, indices...), 10 item. Dims and indices are int8.
+def b(*xs):
+    return bytes(x & 0xFF for x in xs)
+
+write("fuzz_tensor_views", "transpose_contiguous_view", b(3, 2, 3, 4, 1, 0, 2, 8, 0, 2, 0, 24))
+write("fuzz_tensor_views", "select_slice", b(4, 2, 3, 4, 2, 3, 1, -1, 4, -1, 1, 3, 4, 0, -7, 7))
+write("fuzz_tensor_views", "unsqueeze_expand", b(2, 3, 1, 5, 0, 7, 3, 0, 2, 0, 3, 0, 4, 6, -1))
+write("fuzz_tensor_views", "view_infer", b(2, 4, 3, 0, 3, 2, 0, 4, 0, 2, 0, 1))
+write("fuzz_tensor_views", "at_item_scalar", b(0, 9, 0, 10, 5, 0, 7, 2, 0, 4, 0, 2, 9, 0, 1, 1))
+write("fuzz_tensor_views", "far_arguments", b(2, 2, 2, 4, 0, 240, 241, 3, 0, 245, 0, 2, 0, 248, 249))
+
+# ---- fuzz_sdpa: see decode() in fuzz_sdpa.cpp ------------------------------------------------------
+def sdpa(rank=4, B=2, Hkv=2, group=1, gqa=0, L=7, S=9, E=8, Ev=8, mask=0, flags=0, mask_rank=4,
+         mask_full=0xFF, mask_layout=0, density=64, scale=0, dropout=0, torch=0, seed=1234,
+         offset=7, isa=0, layouts=(0, 0, 0), value_seed=42, mags=(0, 0, 0, 0), pokes=(),
+         invalid=None, invalid_arg=0):
+    out = bytes([7 if invalid is not None else 0, invalid or 0, invalid_arg, rank - 2, B - 1,
+                 Hkv - 1, group - 1, gqa, L - 1, S - 1, E - 1, Ev - 1, mask, flags,
+                 mask_rank - 1, mask_full, mask_layout, density, scale, dropout, torch])
+    out += struct.pack("<QI", seed, offset) + bytes([isa]) + bytes(layouts)
+    out += struct.pack("<Q", value_seed) + bytes(mags)
+    for t, idx, special in pokes:
+        out += bytes([t]) + struct.pack("<H", idx) + bytes([special])
+    return out
+
+W, LSE, T2, BR = 2, 4, 8, 1  # flag bits: need_weights, need_lse, two threads, bottom-right
+write("fuzz_sdpa", "plain", sdpa())
+write("fuzz_sdpa", "unbatched_2d", sdpa(rank=2, L=5, S=5, E=3, Ev=4, flags=W | LSE))
+write("fuzz_sdpa", "heads_3d_layouts", sdpa(rank=3, Hkv=2, layouts=(1, 2, 3), flags=LSE, isa=2))
+write("fuzz_sdpa", "gqa", sdpa(Hkv=2, group=3, gqa=1, L=33, S=40, E=16, Ev=5, flags=W | LSE | T2))
+write("fuzz_sdpa", "causal_top_left", sdpa(mask=1, L=40, S=35, flags=LSE | W))
+write("fuzz_sdpa", "causal_bottom_right", sdpa(mask=1, L=12, S=5, flags=LSE | BR, isa=1))
+write("fuzz_sdpa", "bool_mask_broadcast", sdpa(mask=2, mask_rank=2, mask_full=0x0C, density=200,
+                                                flags=W | LSE, layouts=(5, 6, 4)))
+write("fuzz_sdpa", "additive_mask_transposed", sdpa(mask=3, mask_rank=3, mask_full=0x0E, mask_layout=1,
+                                                     density=30, flags=LSE))
+write("fuzz_sdpa", "custom_scales", sdpa(scale=211, E=20, Ev=3, flags=W))  # scale 1.0
+write("fuzz_sdpa", "scale_zero", sdpa(scale=208, flags=W | LSE))
+write("fuzz_sdpa", "philox_dropout", sdpa(dropout=177, flags=W | LSE | T2, L=20, S=30))  # p = 0.5
+write("fuzz_sdpa", "dropout_one", sdpa(dropout=179, flags=W | LSE))  # p = 1
+write("fuzz_sdpa", "torch_dropout", sdpa(dropout=176, torch=255, flags=W))  # p = 0.1, torch stream
+write("fuzz_sdpa", "specials", sdpa(flags=W | LSE, mags=(4, 4, 3, 0),
+                                     pokes=((0, 3, 0), (1, 17, 1), (2, 40, 2), (2, 5, 11), (1, 2, 5))))
+write("fuzz_sdpa", "huge_values", sdpa(mags=(5, 5, 7, 0), flags=W | LSE, E=2, L=4, S=6))
+for kind in range(13):
+    write("fuzz_sdpa", f"invalid_{kind:02d}", sdpa(invalid=kind, invalid_arg=(kind * 37 + 1) % 256, mask=2))
