@@ -119,8 +119,9 @@ double attention_flops(const BenchConfig& c) {
       pairs = full * S + partial * (partial + 1.0) / 2.0;
     }
   }
-  return 4.0 * static_cast<double>(c.batch) * static_cast<double>(c.heads) * pairs *
-         static_cast<double>(c.dim);
+  const double forward = 4.0 * static_cast<double>(c.batch) * static_cast<double>(c.heads) *
+                         pairs * static_cast<double>(c.dim);
+  return c.backward ? 2.5 * forward : forward;
 }
 
 double median(std::vector<double> values) {
@@ -156,11 +157,22 @@ BenchResult run_bench(const BenchConfig& c) {
   options.backend = backend_of(c.impl);
   options.num_threads = threads;
 
-  for (int i = 0; i < c.warmup; ++i) scaled_dot_product_attention(q, k, v, options);
+  SdpaResult saved;
+  Tensor dout;
+  if (c.backward) {
+    options.need_lse = true;
+    saved = scaled_dot_product_attention(q, k, v, options);
+    dout = randn(saved.output.shape(), gen);
+  }
+  const auto call = [&] {
+    if (c.backward) return scaled_dot_product_attention_backward(dout, q, k, v, saved, options).grad_query;
+    return scaled_dot_product_attention(q, k, v, options).output;
+  };
+  for (int i = 0; i < c.warmup; ++i) call();
   r.times_ms.reserve(static_cast<size_t>(c.repeats));
   for (int i = 0; i < c.repeats; ++i) {
     const auto start = Clock::now();
-    const SdpaResult out = scaled_dot_product_attention(q, k, v, options);
+    const Tensor out = call();
     const auto stop = Clock::now();  // `out` is freed after the clock stops
     r.times_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
   }
@@ -176,12 +188,12 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
   std::string times;
   for (const double t : r.times_ms) times += (times.empty() ? "" : ", ") + json_number(t, 4);
   return fmt::format(
-      "{{\"impl\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
+      "{{\"impl\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
       "\"seq_kv\": {}, \"dim\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {}, "
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
       "\"openblas_coretype\": {}, \"simd\": {}, \"times_ms\": [{}]}}\n",
-      json_string(c.impl), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
+      json_string(c.impl), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
       json_number(r.peak_gflops, 3), json_number(r.peak_ratio, 5), json_number(r.max_rss_mib, 1),
@@ -196,6 +208,7 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
     s += fmt::format("{:<12} {}\n", key, value);
   };
   row("impl", c.impl);
+  row("pass", c.backward ? "backward (FLOPs: 2.5x the forward's)" : "forward");
   row("shape", shape_text(c) + (c.causal ? ", causal" : ", not causal"));
   row("threads", fmt::format("{}", c.threads_or_default()));
   row("repeats", fmt::format("{} (after {} warmup)", c.repeats, c.warmup));

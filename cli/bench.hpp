@@ -4,6 +4,8 @@
 // FLOPs are counted as FlashAttention's benchmarks count them: 4 * B * H * L * S * E (two
 // matmuls, 2 flops per multiply-add), halved when causal. With L != S the causal count is the
 // exact number of (query, key) pairs the top-left mask keeps, which is L * S / 2 for L == S.
+// With --backward the timed call is scaled_dot_product_attention_backward (after one untimed
+// forward that saves the output and LSE) and the count is 2.5x the forward's (five matmuls).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +30,7 @@ struct BenchConfig {
   int repeats = 10;
   int warmup = 2;
   std::string impl = "auto";        // fused | reference | auto
+  bool backward = false;            // time the backward pass
   bool json = false;
   bool peak_only = false;
 
@@ -41,7 +44,7 @@ std::optional<std::string> validate(const BenchConfig& config);
 
 SdpaBackend backend_of(const std::string& impl);  // impl must be valid
 
-// Floating-point operations of one forward call (see the top of this file).
+// Floating-point operations of one timed call (see the top of this file).
 double attention_flops(const BenchConfig& config);
 
 struct BenchResult {

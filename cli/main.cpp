@@ -95,6 +95,9 @@ int run(int argc, char** argv) {
   bench->add_option("--repeats", bench_config.repeats, "Timed runs")->capture_default_str();
   bench->add_option("--warmup", bench_config.warmup, "Untimed runs first")->capture_default_str();
   bench->add_option("--impl", bench_config.impl, "fused, reference or auto")->capture_default_str();
+  bench->add_flag("--backward", bench_config.backward,
+                  "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
+                  "the forward's, as FlashAttention does");
   bench->add_flag("--json", bench_config.json, "Print one JSON object instead of the table");
   bench->add_flag("--peak-only", bench_config.peak_only,
                   "Only measure the FMA peak on --threads threads");

@@ -2,11 +2,14 @@
 """Runs attn's standard attention benchmark suite and writes docs/PERFORMANCE.md.
 
 For every configuration (B=1, H=12, L in {512..8192}, E in {64, 128}, causal or not, 1 and 2
-threads) it times, one after the other:
+threads; the backward pass for L in {1024, 2048, 4096}) it times, one after the other:
   * `attn bench --impl fused --json` and `attn bench --impl reference --json` (the reference
     only up to --reference-max-seq: it materialises H * L * L floats of scores);
   * PyTorch's torch.nn.functional.scaled_dot_product_attention on the CPU, same shapes and
     thread count, in a fresh Python process per configuration so its peak RSS is its own.
+Backward rows time `attn bench --backward` and torch.autograd.grad of PyTorch's SDPA output
+(after one forward whose graph is kept), i.e. the backward alone, FLOPs counted as 2.5x the
+forward's (FlashAttention's convention).
 PyTorch comes from PyPI into a virtual environment under .cache/bench-venv, created on first
 use. The FMA peak is measured by `attn bench --peak-only` (and again inside every attn run, whose
 own figure gives its "% of peak"). On a shared machine the peak measured just before each run
@@ -40,6 +43,8 @@ FULL_DIMS = (64, 128)
 # (timed repeats, warmup runs) per sequence length: fewer at large L keeps the suite short.
 FULL_REPEATS = {512: (10, 2), 1024: (10, 2), 2048: (5, 1), 4096: (3, 1), 8192: (2, 1)}
 QUICK_SHAPES = ((512, 64, False), (512, 64, True), (1024, 64, False), (1024, 128, True))
+BACKWARD_SEQS = (1024, 2048, 4096)
+QUICK_BACKWARD_SHAPES = ((512, 64, True),)
 QUICK_REPEATS = (3, 1)
 RUN_TIMEOUT_S = 900
 # A run whose own FMA peak is below this fraction of the best one seen for its thread count shared
@@ -76,13 +81,25 @@ def torch_worker(spec: dict) -> None:
     if hkv != h:
         kwargs["enable_gqa"] = True
     times = []
-    with torch.inference_mode():
-        for _ in range(spec["warmup"]):
-            F.scaled_dot_product_attention(q, k, v, **kwargs)
-        for _ in range(spec["repeats"]):
+    if spec.get("backward"):
+        # The backward alone: one forward keeps its graph, then dQ, dK, dV are taken again and again.
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        dout = torch.randn(out.shape, generator=gen)
+        for i in range(spec["warmup"] + spec["repeats"]):
             start = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, **kwargs)
-            times.append((time.perf_counter() - start) * 1e3)
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            if i >= spec["warmup"]:
+                times.append((time.perf_counter() - start) * 1e3)
+    else:
+        with torch.inference_mode():
+            for _ in range(spec["warmup"]):
+                F.scaled_dot_product_attention(q, k, v, **kwargs)
+            for _ in range(spec["repeats"]):
+                start = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, **kwargs)
+                times.append((time.perf_counter() - start) * 1e3)
     print(json.dumps({
         "median_ms": statistics.median(times),
         "min_ms": min(times),
@@ -136,6 +153,8 @@ def run_attn(attn: Path, impl: str, cfg: dict) -> dict:
            "--warmup", str(cfg["warmup"])]
     if cfg["causal"]:
         cmd.append("--causal")
+    if cfg.get("backward"):
+        cmd.append("--backward")
     return run_json(cmd)
 
 
@@ -196,15 +215,18 @@ class BusyGuard:
                     r["busy"] = True
 
 
-def configurations(quick: bool, threads: list[int]) -> list[dict]:
+def configurations(quick: bool, threads: list[int], backward: bool = True) -> list[dict]:
     if quick:
-        shapes = [(l, e, c, *QUICK_REPEATS) for l, e, c in QUICK_SHAPES]
+        shapes = [(l, e, c, False, *QUICK_REPEATS) for l, e, c in QUICK_SHAPES]
+        shapes += [(l, e, c, True, *QUICK_REPEATS) for l, e, c in QUICK_BACKWARD_SHAPES]
     else:
-        shapes = [(l, e, c, *FULL_REPEATS[l])
+        shapes = [(l, e, c, False, *FULL_REPEATS[l])
                   for l in FULL_SEQS for e in FULL_DIMS for c in (False, True)]
+        shapes += [(l, e, c, True, *FULL_REPEATS[l])
+                   for l in BACKWARD_SEQS for e in FULL_DIMS for c in (False, True)]
     return [{"batch": BATCH, "heads": HEADS, "kv_heads": HEADS, "seq": l, "seq_kv": l, "dim": e,
-             "causal": c, "threads": t, "repeats": r, "warmup": w}
-            for l, e, c, r, w in shapes for t in threads]
+             "causal": c, "backward": b, "threads": t, "repeats": r, "warmup": w}
+            for l, e, c, b, r, w in shapes for t in threads if backward or not b]
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -270,6 +292,17 @@ def ratio(slow: dict | None, fast: dict | None) -> str:
 
 
 def results_table(rows: list[dict]) -> str:
+    """The forward table, then the backward one (if any backward rows)."""
+    fwd = [r for r in rows if not r["config"].get("backward")]
+    bwd = [r for r in rows if r["config"].get("backward")]
+    out = one_table(fwd) if fwd else ""
+    if bwd:
+        out += ("\n\n" if out else "") + "Backward (dQ, dK, dV; GFLOP/s counted as 2.5x the forward's):\n\n"
+        out += one_table(bwd)
+    return out
+
+
+def one_table(rows: list[dict]) -> str:
     header = ["L", "E", "causal", "threads", "fused ms", "fused GFLOP/s", "% of peak",
               "reference ms", "torch ms", "vs torch", "vs reference",
               "fused MiB", "reference MiB", "torch MiB"]
@@ -297,6 +330,7 @@ def failures(rows: list[dict]) -> list[str]:
             r = row.get(impl)
             if r is not None and "error" in r:
                 out.append(f"L={cfg['seq']} E={cfg['dim']} causal={cfg['causal']} "
+                           f"backward={cfg.get('backward', False)} "
                            f"threads={cfg['threads']}, {impl}: {r['error']}")
     return out
 
@@ -369,6 +403,11 @@ def render(args, rows, peaks, torch_version, machine, started, elapsed_s, comman
         "materialises the H x L x L score matrix.",
         "- torch: `torch.nn.functional.scaled_dot_product_attention` under `torch.inference_mode()`"
         " with `torch.set_num_threads(threads)`, each configuration in a fresh process.",
+        f"- Backward rows (L in {list(BACKWARD_SEQS)}): `attn bench --backward` times "
+        "`scaled_dot_product_attention_backward` (dQ, dK, dV from the saved output and LSE) after "
+        "one untimed forward; torch times `torch.autograd.grad(out, (q, k, v), dout, "
+        "retain_graph=True)` after one forward, i.e. its backward alone. GFLOP/s = 2.5x the "
+        "forward's count / time (FlashAttention's convention: five matmuls instead of two).",
         "- MiB: peak resident set (`getrusage` ru_maxrss) of the process that ran the "
         "configuration; torch's includes the few hundred MiB of loading torch itself.",
         "",
@@ -399,6 +438,7 @@ def main() -> int:
     parser.add_argument("--reference-max-seq", type=int, default=4096,
                         help="run the reference only up to this L (default 4096)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    parser.add_argument("--no-backward", action="store_true", help="skip the backward rows")
     parser.add_argument("--venv", type=Path, default=ROOT / ".cache" / "bench-venv",
                         help="virtual environment for torch (created on first use)")
     parser.add_argument("--output", type=Path, default=None,
@@ -438,7 +478,7 @@ def main() -> int:
 
     guard = BusyGuard(peaks, max(args.retries, 0), machine.get("cores") or os.cpu_count() or 1)
     rows = []
-    configs = configurations(args.quick, threads)
+    configs = configurations(args.quick, threads, not args.no_backward)
     for n, cfg in enumerate(configs, 1):
         def attn_run(impl):
             # attn bench measures the peak itself, just before timing.
@@ -454,7 +494,8 @@ def main() -> int:
                 return {**run_torch(python, cfg), "peak": peak}
             row["torch"] = guard.run("torch", cfg, torch_run, lambda r: r["peak"])
         rows.append(row)
-        log(f"[{n}/{len(configs)}] L={cfg['seq']} E={cfg['dim']} causal={cfg['causal']} "
+        log(f"[{n}/{len(configs)}] {'backward' if cfg['backward'] else 'forward'} "
+            f"L={cfg['seq']} E={cfg['dim']} causal={cfg['causal']} "
             f"threads={cfg['threads']}: fused {ms(row['fused'])} ms, reference "
             f"{ms(row['reference']) + ' ms' if 'reference' in row else 'skipped'}, torch "
             f"{ms(row['torch']) + ' ms' if 'torch' in row else 'skipped'} "

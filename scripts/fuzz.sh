@@ -4,7 +4,7 @@
 #
 #   scripts/fuzz.sh [--time SECONDS] [--keep-corpus] [TARGET...]   (default: 60 s, every target)
 #
-# Targets: fuzz_fixture_parser fuzz_sdpa fuzz_tensor_views. Each runs as one libFuzzer process
+# Targets: fuzz_fixture_parser fuzz_sdpa fuzz_tensor_views fuzz_safetensors. Each runs as one libFuzzer process
 # (one worker, one job) with -max_total_time=SECONDS -rss_limit_mb=2048 -timeout=10, on
 # build-fuzz/corpus-work/<target>/: a fresh copy of the committed seeds in
 # tests/fuzz/corpus/<target>/ (the repository is never written), or with --keep-corpus the
@@ -16,7 +16,7 @@
 # Reproduce a finding:  build-fuzz/<target> build-fuzz/artifacts/<target>-crash-<hash>
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-all_targets=(fuzz_fixture_parser fuzz_sdpa fuzz_tensor_views)
+all_targets=(fuzz_fixture_parser fuzz_sdpa fuzz_tensor_views fuzz_safetensors)
 
 time_s=60
 keep_corpus=0

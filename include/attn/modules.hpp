@@ -5,19 +5,39 @@
 // (e.g. MultiHeadAttention: W_query.weight, W_key.weight, W_value.weight, out_proj.weight,
 // out_proj.bias), so `manual_seed(123)` gives PyTorch's exact weights. Parameter and buffer
 // names are PyTorch's state_dict keys ("W_query.weight", "heads.0.W_key.weight", "mask").
+//
+// Backward (no autograd engine: each module differentiates itself). A non-const forward()
+// saves what backward() needs, unless a NoGradGuard is active (attn/grad_mode.hpp), in which
+// case it saves nothing and drops what an earlier forward saved. backward(grad_output) takes
+// dL/d(output) of the latest recording forward, returns dL/d(input), adds the parameters'
+// gradients into named_grads() and consumes the saved context: a second backward without a new
+// forward throws ValueError (PyTorch: "Trying to backward through the graph a second time"),
+// as does a backward with no forward; a grad_output whose shape is not the output's throws
+// ShapeError. Backward reads the parameters' current values: update them after backward.
+// A forward() on a const module only computes (as under torch.no_grad()) and saves nothing.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "attn/functional.hpp"
+#include "attn/grad_mode.hpp"
 
 namespace attn::nn {
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor*>>;
+
+// One trainable tensor with its gradient, for optimizers: for (auto& p : m.parameters_with_grads())
+// update *p.param from *p.grad.
+struct ParameterWithGrad {
+  std::string name;
+  Tensor* param;
+  Tensor* grad;
+};
 
 class Module {
  public:
@@ -44,6 +64,14 @@ class Module {
   virtual NamedTensors state_dict();
   int64_t num_parameters();
 
+  // The parameters' gradients (the `.grad` of each), named and ordered exactly as
+  // named_parameters(), of the same shapes; zeros at construction, summed into by backward().
+  virtual NamedTensors named_grads() { return {}; }
+  // Sets every gradient to zero, submodules' included (optimizer.zero_grad()).
+  void zero_grad();
+  // named_parameters() zipped with named_grads(); throws ValueError if they ever disagree.
+  std::vector<ParameterWithGrad> parameters_with_grads();
+
  protected:
   bool training_ = true;
 };
@@ -55,42 +83,127 @@ class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true,
          Generator& gen = default_generator());
-  Tensor forward(const TensorView& x) const;
+  Tensor forward(const TensorView& x);        // saves x
+  Tensor forward(const TensorView& x) const;  // computes only
+  // grad_output (..., out_features) -> dL/dx (..., in_features)
+  Tensor backward(const TensorView& grad_output);
   NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
 
   int64_t in_features, out_features;
   Tensor weight;  // (out_features, in_features)
   Tensor bias;    // (out_features) or undefined
+  Tensor grad_weight, grad_bias;  // weight.grad, bias.grad
+
+ private:
+  std::optional<Tensor> saved_input_;
 };
 
 class Dropout : public Module {
  public:
   explicit Dropout(float p = 0.5f, Generator* gen = nullptr);
-  Tensor forward(const TensorView& x) const;
+  Tensor forward(const TensorView& x);        // saves the keep mask (draws as the const one)
+  Tensor forward(const TensorView& x) const;  // computes only
+  Tensor backward(const TensorView& grad_output);  // replays the saved mask
 
   float p;
   Generator* generator;  // nullptr: default_generator(), like torch's global generator
+
+ private:
+  struct Saved {
+    Tensor keep_mask;
+    float p;
+  };
+  std::optional<Saved> saved_;
 };
 
 class Embedding : public Module {
  public:
   Embedding(int64_t num_embeddings, int64_t embedding_dim, Generator& gen = default_generator());
+  Tensor forward(std::span<const int64_t> ids, const Shape& ids_shape);  // saves the ids
+  Tensor forward(std::span<const int64_t> ids);                         // 1-D ids
   Tensor forward(std::span<const int64_t> ids, const Shape& ids_shape) const;
-  Tensor forward(std::span<const int64_t> ids) const;  // 1-D ids
+  Tensor forward(std::span<const int64_t> ids) const;
+  // grad_output (ids_shape + [embedding_dim]); adds into grad_weight (ids get no gradient).
+  void backward(const TensorView& grad_output);
   NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
 
   int64_t num_embeddings, embedding_dim;
   Tensor weight;  // (num_embeddings, embedding_dim), N(0, 1)
+  Tensor grad_weight;
+
+ private:
+  struct Saved {
+    std::vector<int64_t> ids;
+    Shape ids_shape;
+  };
+  std::optional<Saved> saved_;
 };
+
+// nn.LayerNorm over the last dim: weight ones, bias zeros (no draws), eps 1e-5.
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(int64_t normalized_shape, float eps = 1e-5f, bool elementwise_affine = true);
+  Tensor forward(const TensorView& x);        // (..., C); saves x
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);
+  NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
+
+  int64_t normalized_shape;
+  float eps;
+  Tensor weight, bias;            // (C) each, undefined without elementwise_affine
+  Tensor grad_weight, grad_bias;
+
+ private:
+  std::optional<Tensor> saved_input_;
+};
+
+// nn.GELU(approximate="none" | "tanh").
+class GELU : public Module {
+ public:
+  explicit GELU(std::string approximate = "none");
+  Tensor forward(const TensorView& x);  // saves x
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);
+
+  std::string approximate;
+
+ private:
+  std::optional<Tensor> saved_input_;
+};
+
+namespace detail {
+// What an attention module's forward saves for its backward: the projections exactly as
+// passed to scaled_dot_product_attention (before any head split), its result (with lse, and
+// the post-dropout weights when dropout is on) and its options.
+struct AttentionContext {
+  Tensor input;  // x, for modules whose projections are not Linear submodules (V1)
+  Tensor queries, keys, values;
+  SdpaResult result;
+  SdpaOptions options;
+  Shape output_shape;
+};
+}  // namespace detail
 
 // Section 3.4.1: parameters created with torch.rand(d_in, d_out); forward is x @ W.
 class SelfAttentionV1 : public Module {
  public:
   SelfAttentionV1(int64_t d_in, int64_t d_out, Generator& gen = default_generator());
-  Tensor forward(const TensorView& x) const;  // (num_tokens, d_in) -> (num_tokens, d_out)
+  Tensor forward(const TensorView& x);  // (num_tokens, d_in) -> (num_tokens, d_out)
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);  // -> (num_tokens, d_in)
   NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
 
   Tensor W_query, W_key, W_value;  // (d_in, d_out)
+  Tensor grad_W_query, grad_W_key, grad_W_value;
+
+ private:
+  template <typename Self>
+  static Tensor forward_impl(Self& self, const TensorView& x);
+  std::optional<detail::AttentionContext> saved_;
 };
 
 // Section 3.4.2: nn.Linear projections (weight (d_out, d_in)), optional qkv_bias.
@@ -98,10 +211,18 @@ class SelfAttentionV2 : public Module {
  public:
   SelfAttentionV2(int64_t d_in, int64_t d_out, bool qkv_bias = false,
                   Generator& gen = default_generator());
-  Tensor forward(const TensorView& x) const;  // (num_tokens, d_in) -> (num_tokens, d_out)
+  Tensor forward(const TensorView& x);  // (num_tokens, d_in) -> (num_tokens, d_out)
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);  // -> (num_tokens, d_in)
   NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
 
   Linear W_query, W_key, W_value;
+
+ private:
+  template <typename Self>
+  static Tensor forward_impl(Self& self, const TensorView& x);
+  std::optional<detail::AttentionContext> saved_;
 };
 
 // Section 3.5: causal mask over a context_length buffer, dropout on the weights, batched input.
@@ -109,8 +230,11 @@ class CausalAttention : public Module {
  public:
   CausalAttention(int64_t d_in, int64_t d_out, int64_t context_length, float dropout,
                   bool qkv_bias = false, Generator& gen = default_generator());
-  Tensor forward(const TensorView& x) const;  // (b, num_tokens, d_in) -> (b, num_tokens, d_out)
+  Tensor forward(const TensorView& x);  // (b, num_tokens, d_in) -> (b, num_tokens, d_out)
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);  // -> (b, num_tokens, d_in)
   NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
   NamedTensors named_buffers() override;
   NamedTensors state_dict() override;
   void train(bool mode = true) override;
@@ -119,6 +243,11 @@ class CausalAttention : public Module {
   Linear W_query, W_key, W_value;
   Dropout dropout;
   Tensor mask;  // triu(ones(context_length, context_length), diagonal=1)
+
+ private:
+  template <typename Self>
+  static Tensor forward_impl(Self& self, const TensorView& x);
+  std::optional<detail::AttentionContext> saved_;
 };
 
 // Section 3.6.1: num_heads independent CausalAttention heads, outputs concatenated.
@@ -127,13 +256,19 @@ class MultiHeadAttentionWrapper : public Module {
   MultiHeadAttentionWrapper(int64_t d_in, int64_t d_out, int64_t context_length, float dropout,
                             int64_t num_heads, bool qkv_bias = false,
                             Generator& gen = default_generator());
-  Tensor forward(const TensorView& x) const;  // -> (b, num_tokens, num_heads * d_out)
+  Tensor forward(const TensorView& x);  // -> (b, num_tokens, num_heads * d_out)
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);  // -> (b, num_tokens, d_in)
   NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
   NamedTensors named_buffers() override;
   NamedTensors state_dict() override;
   void train(bool mode = true) override;
 
   std::vector<CausalAttention> heads;
+
+ private:
+  std::optional<Shape> saved_output_shape_;
 };
 
 // Section 3.6.2: one projection of width d_out split into num_heads heads of d_out/num_heads,
@@ -143,8 +278,11 @@ class MultiHeadAttention : public Module {
   MultiHeadAttention(int64_t d_in, int64_t d_out, int64_t context_length, float dropout,
                      int64_t num_heads, bool qkv_bias = false,
                      Generator& gen = default_generator());
-  Tensor forward(const TensorView& x) const;  // (b, num_tokens, d_in) -> (b, num_tokens, d_out)
+  Tensor forward(const TensorView& x);  // (b, num_tokens, d_in) -> (b, num_tokens, d_out)
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);  // -> (b, num_tokens, d_in)
   NamedTensors named_parameters() override;
+  NamedTensors named_grads() override;
   NamedTensors named_buffers() override;
   NamedTensors state_dict() override;
   void train(bool mode = true) override;
@@ -153,6 +291,11 @@ class MultiHeadAttention : public Module {
   Linear W_query, W_key, W_value, out_proj;
   Dropout dropout;
   Tensor mask;
+
+ private:
+  template <typename Self>
+  static Tensor forward_impl(Self& self, const TensorView& x);
+  std::optional<detail::AttentionContext> saved_;
 };
 
 }  // namespace attn::nn

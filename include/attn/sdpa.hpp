@@ -20,6 +20,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "attn/random.hpp"
 #include "attn/tensor.hpp"
@@ -94,6 +95,37 @@ struct SdpaResult {
 SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
                                         const TensorView& value, const SdpaOptions& options = {});
 
+// ---- backward ------------------------------------------------------------------------------------
+//
+// Gradients of scaled_dot_product_attention with respect to query, key and value, given the
+// gradient of the output. `forward` is what the forward call returned for these very inputs and
+// `options` (same mask, scale, causal alignment, GQA, dropout settings): its output and its lse
+// (run the forward with need_lse = true) are read, P is recomputed from the lse (no L x S buffer in
+// the fused backend), and
+//   dV = P_d^T dO,  dP_d = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale dS K,
+//   dK = scale dS^T Q
+// where P_d is P after dropout. With enable_gqa, dK and dV of a key/value head sum the gradients
+// of every query head reading it. Masks get no gradient.
+//
+// Dropout: kPhilox masks are replayed from (dropout_seed, dropout_offset), exactly. A kTorch mask
+// cannot be drawn again (the generator has moved on), so the backward needs the forward's
+// post-dropout weights: run the forward with need_weights = true; without them it throws
+// ValueError. The backend follows options.backend as in the forward (kAuto: fused unless kTorch
+// dropout). The fused backward is deterministic: bit-identical gradients for any thread count.
+//
+// Bad input throws like the forward, plus ShapeError when grad_output, forward.output or
+// forward.lse do not have the forward's shapes and ValueError when forward.lse is missing.
+struct SdpaGrads {
+  Tensor grad_query;  // query's shape
+  Tensor grad_key;    // key's shape (H_kv heads with GQA)
+  Tensor grad_value;  // value's shape
+};
+
+SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
+                                                const TensorView& query, const TensorView& key,
+                                                const TensorView& value, const SdpaResult& forward,
+                                                const SdpaOptions& options = {});
+
 namespace reference {
 
 // The same computation carried out entirely in float64 from the float32 inputs: the "truth"
@@ -108,6 +140,18 @@ struct SdpaResultF64 {
 SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& query, const TensorView& key,
                                                const TensorView& value,
                                                const SdpaOptions& options = {});
+
+// Float64 gradients (row-major, the shapes of query, key and value) of the float64 forward above,
+// for grad_output given in float32: the truth the float32 backward kernels are measured against.
+// kTorch dropout draws the mask from a copy of the generator state, as the forward does.
+struct SdpaGradsF64 {
+  std::vector<double> grad_query, grad_key, grad_value;
+};
+SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& grad_output,
+                                                       const TensorView& query,
+                                                       const TensorView& key,
+                                                       const TensorView& value,
+                                                       const SdpaOptions& options = {});
 
 }  // namespace reference
 

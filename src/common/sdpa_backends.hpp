@@ -8,6 +8,9 @@
 namespace attn::reference {
 SdpaResult sdpa_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const detail::SdpaProblem& problem);
+SdpaGrads sdpa_backward(const TensorView& grad_output, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
+                        const detail::SdpaProblem& problem);
 }  // namespace attn::reference
 
 namespace attn::cpu {
@@ -15,4 +18,7 @@ namespace attn::cpu {
 bool fused_supports(const SdpaOptions& options);
 SdpaResult flash_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                          const SdpaOptions& options, const detail::SdpaProblem& problem);
+SdpaGrads flash_backward(const TensorView& grad_output, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
+                         const detail::SdpaProblem& problem);
 }  // namespace attn::cpu

@@ -133,6 +133,37 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
   return p;
 }
 
+namespace {
+void require_shape(const TensorView& t, const Shape& want, const char* name, const char* hint) {
+  if (!t.defined()) {
+    throw ValueError(fmt::format("scaled_dot_product_attention_backward: {} is undefined{}", name, hint));
+  }
+  if (!(t.shape() == want)) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention_backward: {} must have shape {} (the forward's), got {}",
+        name, want.str(), t.shape().str()));
+  }
+}
+}  // namespace
+
+void check_sdpa_backward(const TensorView& grad_output, const SdpaResult& forward,
+                         const SdpaOptions& options, const SdpaProblem& p) {
+  Shape out = p.lead, lse = p.lead, weights = p.lead;
+  out.push_back(p.L);
+  out.push_back(p.Ev);
+  lse.push_back(p.L);
+  weights.push_back(p.L);
+  weights.push_back(p.S);
+  require_shape(grad_output, out, "grad_output", "");
+  require_shape(forward.output, out, "forward.output", " (pass the forward's SdpaResult)");
+  require_shape(forward.lse, lse, "forward.lse", " (run the forward with need_lse = true)");
+  if (p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch) {
+    require_shape(forward.attn_weights, weights, "forward.attn_weights",
+                  " (dropout with DropoutRng::kTorch cannot be drawn again: run the forward with "
+                  "need_weights = true, or use DropoutRng::kPhilox)");
+  }
+}
+
 int64_t lead_offset(const TensorView& t, const Shape& lead, int64_t b) {
   int64_t off = 0;
   for (int i = lead.ndim() - 1; i >= 0; --i) {

@@ -3,13 +3,15 @@
 #define ATTN_SIMD_NS avx2
 #define ATTN_SIMD_WIDTH 8
 #include "cpu/flash_kernel.hpp"
+#include "cpu/flash_bwd_kernel.hpp"
 #include "cpu/flash_isa.hpp"
 
 namespace attn::cpu {
 
 const FlashKernel& flash_kernel_avx2() {
   static const FlashKernel k{"avx2", avx2::kBQ, avx2::workspace_floats, avx2::forward_block,
-                             avx2::weights_block};
+                             avx2::weights_block,
+                             avx2::backward_workspace_floats, avx2::backward_head};
   return k;
 }
 

@@ -3,13 +3,15 @@
 #define ATTN_SIMD_NS avx512
 #define ATTN_SIMD_WIDTH 16
 #include "cpu/flash_kernel.hpp"
+#include "cpu/flash_bwd_kernel.hpp"
 #include "cpu/flash_isa.hpp"
 
 namespace attn::cpu {
 
 const FlashKernel& flash_kernel_avx512() {
   static const FlashKernel k{"avx512", avx512::kBQ, avx512::workspace_floats, avx512::forward_block,
-                             avx512::weights_block};
+                             avx512::weights_block,
+                             avx512::backward_workspace_floats, avx512::backward_head};
   return k;
 }
 

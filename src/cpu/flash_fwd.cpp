@@ -17,6 +17,7 @@
 
 #include "attn/philox.hpp"
 #include "common/sdpa_backends.hpp"
+#include "cpu/flash_inputs.hpp"
 #include "cpu/flash_isa.hpp"
 
 namespace attn::cpu {
@@ -40,22 +41,6 @@ bool fused_supports(const SdpaOptions& options) {
   return !(options.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch);
 }
 
-namespace {
-
-// The kernels read rows whose last dim is contiguous; anything else is copied once.
-TensorView rows_contiguous(const TensorView& t, Tensor& storage) {
-  if (t.stride(-1) == 1) return t;
-  storage = t.contiguous();
-  return storage;
-}
-
-bool all_finite(const TensorView& t) {
-  bool ok = true;
-  for_each_offset(t, [&](int64_t o) { ok = ok && std::isfinite(t.data()[o]); });
-  return ok;
-}
-
-}  // namespace
 
 SdpaResult flash_forward(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
                          const SdpaOptions& options, const detail::SdpaProblem& p) {

@@ -3,13 +3,15 @@
 #define ATTN_SIMD_NS generic
 #define ATTN_SIMD_WIDTH 4
 #include "cpu/flash_kernel.hpp"
+#include "cpu/flash_bwd_kernel.hpp"
 #include "cpu/flash_isa.hpp"
 
 namespace attn::cpu {
 
 const FlashKernel& flash_kernel_generic() {
   static const FlashKernel k{"generic", generic::kBQ, generic::workspace_floats, generic::forward_block,
-                             generic::weights_block};
+                             generic::weights_block,
+                             generic::backward_workspace_floats, generic::backward_head};
   return k;
 }
 

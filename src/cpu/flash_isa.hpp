@@ -13,6 +13,8 @@ struct FlashKernel {
   int64_t (*workspace_floats)(int64_t E, int64_t Ev);
   void (*forward)(const FlashParams&, const FlashBlock&, float* workspace);
   void (*weights)(const FlashParams&, const FlashBlock&, float* workspace);
+  int64_t (*backward_workspace_floats)(int64_t L, int64_t E, int64_t Ev);
+  void (*backward)(const FlashParams&, const FlashBwdHead&, float* workspace);
 };
 
 const FlashKernel& flash_kernel_avx512();

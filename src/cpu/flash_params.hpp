@@ -13,6 +13,7 @@ struct FlashParams {
   int64_t q_row = 0, k_row = 0, v_row = 0, o_row = 0;  // element stride between rows
 
   float scale_log2 = 0;   // softmax scale times log2(e): scores are kept in base 2
+  float scale = 0;        // the softmax scale itself (the backward's dS -> dQ, dK factor)
   bool causal = false;
   int64_t causal_offset = 0;  // key j is visible to query i iff j <= i + causal_offset
 
@@ -22,7 +23,7 @@ struct FlashParams {
 
   float dropout_p = 0;              // Philox dropout on the weights when > 0
   uint64_t dropout_seed = 0, dropout_offset = 0;
-  bool guard_v = false;             // v holds non-finite values: never multiply them by a 0 weight
+  bool guard_v = false;             // v (backward: any input) holds NaN/Inf: never multiply it by a 0
 };
 
 // One work item: a block of up to kBlockQ queries of one (batch, head).
@@ -36,6 +37,25 @@ struct FlashBlock {
   const float* mask;  // the (i0, 0) element of this head's mask, or nullptr
   int64_t i0, nq;   // first query index and number of queries
   int64_t bh;       // flat batch*head index (dropout counter)
+};
+
+// One query head of the backward pass (flash_bwd_kernel.hpp): its inputs, the forward's output
+// and natural-log LSE, dO, and where its gradients go. dq is written (row stride E); dk and dv
+// belong to the key/value head and are accumulated into (+=), so the query heads of a GQA group,
+// visited in order by one thread, sum into them deterministically.
+struct FlashBwdHead {
+  const float* q;     // (L, E), row stride p.q_row
+  const float* k;     // (S, E), row stride p.k_row
+  const float* v;     // (S, Ev), row stride p.v_row
+  const float* o;     // (L, Ev), row stride o_row: the forward's output
+  const float* dout;  // (L, Ev), row stride do_row
+  int64_t o_row, do_row;
+  const float* lse;   // (L): the forward's LSE in natural log
+  const float* mask;  // the (0, 0) element of this head's mask, or nullptr
+  float* dq;          // (L, E), row stride E
+  float* dk;          // (S, E), row stride E
+  float* dv;          // (S, Ev), row stride Ev
+  int64_t bh;         // flat batch*head index of the query head (dropout counter)
 };
 
 // Philox keep decision for weight (bh, i, j), out of line (flash_fwd.cpp) so that the per-ISA

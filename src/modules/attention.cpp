@@ -1,6 +1,12 @@
 // The chapter's attention modules. Each projects its input and hands the attention itself to
 // scaled_dot_product_attention, so the modules and the functional API cannot drift apart.
+//
+// Each forward is written once, as forward_impl(self, x) for a const or non-const self: the
+// const instantiation only computes; the non-const one runs its submodules' recording forwards
+// and, with gradients enabled, saves the attention context for backward
+// (attention_backward.cpp). Both compute the same output bits.
 #include <fmt/format.h>
+#include <type_traits>
 
 #include "attn/error.hpp"
 #include "attn/modules.hpp"
@@ -42,6 +48,42 @@ SdpaOptions causal_options(const Dropout& dropout, bool training) {
   return o;
 }
 
+// What the backward needs from scaled_dot_product_attention: the lse, and with PyTorch-stream
+// dropout the post-dropout weights (that mask cannot be drawn again).
+SdpaOptions for_backward(SdpaOptions o) {
+  o.need_lse = true;
+  if (o.dropout_p > 0.0f && o.dropout_rng == DropoutRng::kTorch) o.need_weights = true;
+  return o;
+}
+
+using SavedAttention = std::optional<detail::AttentionContext>;
+
+// Where a recording forward saves its context: nowhere with gradients disabled. Resets the slot
+// first, so a failed or no-grad forward never leaves an older context behind.
+SavedAttention* save_slot(SavedAttention& slot) {
+  slot.reset();
+  return is_grad_enabled() ? &slot : nullptr;
+}
+
+// Attention over the views q, k, v of the projections; with `save`, the projections, the input
+// (when the module needs it) and SDPA's result are kept for backward.
+Tensor attend(SavedAttention* save, const TensorView& input, const Tensor& queries,
+              const Tensor& keys, const Tensor& values, const TensorView& q, const TensorView& k,
+              const TensorView& v, const SdpaOptions& o) {
+  if (save == nullptr) return scaled_dot_product_attention(q, k, v, o).output;
+  detail::AttentionContext ctx;
+  ctx.options = for_backward(o);
+  ctx.result = scaled_dot_product_attention(q, k, v, ctx.options);
+  if (input.defined()) ctx.input = input.contiguous();
+  ctx.queries = queries;
+  ctx.keys = keys;
+  ctx.values = values;
+  ctx.output_shape = ctx.result.output.shape();
+  Tensor out = ctx.result.output;
+  *save = std::move(ctx);
+  return out;
+}
+
 // The three projections' parameters under their PyTorch names, in registration order.
 NamedTensors qkv_parameters(Linear& W_query, Linear& W_key, Linear& W_value) {
   NamedTensors p;
@@ -61,13 +103,23 @@ SelfAttentionV1::SelfAttentionV1(int64_t d_in, int64_t d_out, Generator& gen) {
   W_query = rand({d_in, d_out}, gen);
   W_key = rand({d_in, d_out}, gen);
   W_value = rand({d_in, d_out}, gen);
+  grad_W_query = Tensor::zeros({d_in, d_out});
+  grad_W_key = Tensor::zeros({d_in, d_out});
+  grad_W_value = Tensor::zeros({d_in, d_out});
 }
 
-Tensor SelfAttentionV1::forward(const TensorView& x) const {
-  check_input(x, W_query.size(0), "SelfAttentionV1", false);
-  const Tensor keys = matmul(x, W_key), queries = matmul(x, W_query), values = matmul(x, W_value);
-  return scaled_dot_product_attention(queries, keys, values).output;
+template <typename Self>
+Tensor SelfAttentionV1::forward_impl(Self& self, const TensorView& x) {
+  SavedAttention* save = nullptr;
+  if constexpr (!std::is_const_v<Self>) save = save_slot(self.saved_);
+  check_input(x, self.W_query.size(0), "SelfAttentionV1", false);
+  const Tensor keys = matmul(x, self.W_key), queries = matmul(x, self.W_query),
+         values = matmul(x, self.W_value);
+  return attend(save, x, queries, keys, values, queries, keys, values, SdpaOptions{});
 }
+
+Tensor SelfAttentionV1::forward(const TensorView& x) const { return forward_impl(*this, x); }
+Tensor SelfAttentionV1::forward(const TensorView& x) { return forward_impl(*this, x); }
 
 NamedTensors SelfAttentionV1::named_parameters() {
   return {{"W_query", &W_query}, {"W_key", &W_key}, {"W_value", &W_value}};
@@ -79,11 +131,18 @@ SelfAttentionV2::SelfAttentionV2(int64_t d_in, int64_t d_out, bool qkv_bias, Gen
     : W_query(d_in, d_out, qkv_bias, gen), W_key(d_in, d_out, qkv_bias, gen),
       W_value(d_in, d_out, qkv_bias, gen) {}
 
-Tensor SelfAttentionV2::forward(const TensorView& x) const {
-  check_input(x, W_query.in_features, "SelfAttentionV2", false);
-  const Tensor keys = W_key.forward(x), queries = W_query.forward(x), values = W_value.forward(x);
-  return scaled_dot_product_attention(queries, keys, values).output;
+template <typename Self>
+Tensor SelfAttentionV2::forward_impl(Self& self, const TensorView& x) {
+  SavedAttention* save = nullptr;
+  if constexpr (!std::is_const_v<Self>) save = save_slot(self.saved_);
+  check_input(x, self.W_query.in_features, "SelfAttentionV2", false);
+  const Tensor keys = self.W_key.forward(x), queries = self.W_query.forward(x),
+         values = self.W_value.forward(x);
+  return attend(save, TensorView(), queries, keys, values, queries, keys, values, SdpaOptions{});
 }
+
+Tensor SelfAttentionV2::forward(const TensorView& x) const { return forward_impl(*this, x); }
+Tensor SelfAttentionV2::forward(const TensorView& x) { return forward_impl(*this, x); }
 
 NamedTensors SelfAttentionV2::named_parameters() {
   return qkv_parameters(W_query, W_key, W_value);
@@ -100,12 +159,20 @@ CausalAttention::CausalAttention(int64_t d_in_, int64_t d_out_, int64_t context_
   mask = causal_mask_buffer(context_length);
 }
 
-Tensor CausalAttention::forward(const TensorView& x) const {
-  check_input(x, d_in, "CausalAttention", true);
-  check_context(x, context_length, "CausalAttention");
-  const Tensor keys = W_key.forward(x), queries = W_query.forward(x), values = W_value.forward(x);
-  return scaled_dot_product_attention(queries, keys, values, causal_options(dropout, training_)).output;
+template <typename Self>
+Tensor CausalAttention::forward_impl(Self& self, const TensorView& x) {
+  SavedAttention* save = nullptr;
+  if constexpr (!std::is_const_v<Self>) save = save_slot(self.saved_);
+  check_input(x, self.d_in, "CausalAttention", true);
+  check_context(x, self.context_length, "CausalAttention");
+  const Tensor keys = self.W_key.forward(x), queries = self.W_query.forward(x),
+         values = self.W_value.forward(x);
+  return attend(save, TensorView(), queries, keys, values, queries, keys, values,
+                causal_options(self.dropout, self.training_));
 }
+
+Tensor CausalAttention::forward(const TensorView& x) const { return forward_impl(*this, x); }
+Tensor CausalAttention::forward(const TensorView& x) { return forward_impl(*this, x); }
 
 NamedTensors CausalAttention::named_parameters() {
   return qkv_parameters(W_query, W_key, W_value);
@@ -146,6 +213,18 @@ Tensor MultiHeadAttentionWrapper::forward(const TensorView& x) const {
   for (const CausalAttention& head : heads) outs.push_back(head.forward(x));
   std::vector<TensorView> views(outs.begin(), outs.end());
   return cat(views, -1);
+}
+
+Tensor MultiHeadAttentionWrapper::forward(const TensorView& x) {
+  saved_output_shape_.reset();
+  check_input(x, heads.front().d_in, "MultiHeadAttentionWrapper", true);
+  check_context(x, heads.front().context_length, "MultiHeadAttentionWrapper");
+  std::vector<Tensor> outs;
+  for (CausalAttention& head : heads) outs.push_back(head.forward(x));
+  std::vector<TensorView> views(outs.begin(), outs.end());
+  Tensor out = cat(views, -1);
+  if (is_grad_enabled()) saved_output_shape_ = out.shape();
+  return out;
 }
 
 NamedTensors MultiHeadAttentionWrapper::named_parameters() {
@@ -203,19 +282,29 @@ MultiHeadAttention::MultiHeadAttention(int64_t d_in_, int64_t d_out_, int64_t co
   mask = causal_mask_buffer(context_length);
 }
 
-Tensor MultiHeadAttention::forward(const TensorView& x) const {
-  check_input(x, d_in, "MultiHeadAttention", true);
-  check_context(x, context_length, "MultiHeadAttention");
+template <typename Self>
+Tensor MultiHeadAttention::forward_impl(Self& self, const TensorView& x) {
+  SavedAttention* save = nullptr;
+  if constexpr (!std::is_const_v<Self>) save = save_slot(self.saved_);
+  check_input(x, self.d_in, "MultiHeadAttention", true);
+  check_context(x, self.context_length, "MultiHeadAttention");
   const int64_t b = x.size(0), T = x.size(1);
-  const Tensor keys = W_key.forward(x), queries = W_query.forward(x), values = W_value.forward(x);
+  const Tensor keys = self.W_key.forward(x), queries = self.W_query.forward(x),
+         values = self.W_value.forward(x);
   // (b, T, d_out) -> (b, T, H, hd) -> (b, H, T, hd): views, no copies.
-  auto split = [&](const Tensor& t) { return t.view({b, T, num_heads, head_dim}).transpose(1, 2); };
-  const Tensor context = scaled_dot_product_attention(split(queries), split(keys), split(values),
-                                                      causal_options(dropout, training_)).output;
+  auto split = [&](const Tensor& t) {
+    return t.view({b, T, self.num_heads, self.head_dim}).transpose(1, 2);
+  };
+  const Tensor context = attend(save, TensorView(), queries, keys, values, split(queries),
+                                split(keys), split(values),
+                                causal_options(self.dropout, self.training_));
   // (b, H, T, hd) -> (b, T, H, hd) -> (b, T, d_out)
   const Tensor merged = context.transpose(1, 2).contiguous();
-  return out_proj.forward(merged.view({b, T, d_out}));
+  return self.out_proj.forward(merged.view({b, T, self.d_out}));
 }
+
+Tensor MultiHeadAttention::forward(const TensorView& x) const { return forward_impl(*this, x); }
+Tensor MultiHeadAttention::forward(const TensorView& x) { return forward_impl(*this, x); }
 
 NamedTensors MultiHeadAttention::named_parameters() {
   NamedTensors p = qkv_parameters(W_query, W_key, W_value);

@@ -89,19 +89,23 @@ Tensor linear(const TensorView& x, const TensorView& weight, const TensorView& b
   return out;
 }
 
-Tensor dropout(const TensorView& x, float p, bool training, Generator& gen) {
+DropoutResult dropout_with_mask(const TensorView& x, float p, bool training, Generator& gen) {
   if (!(p >= 0.0f && p <= 1.0f)) {
     throw ValueError(fmt::format("dropout: probability p must be in [0, 1], got {}", p));
   }
-  if (!training || p == 0.0f) return x.contiguous();
-  if (p == 1.0f) return Tensor::zeros(x.shape());
+  if (!training || p == 0.0f) return {x.contiguous(), Tensor::ones(x.shape()), 0.0f};
+  if (p == 1.0f) return {Tensor::zeros(x.shape()), Tensor::zeros(x.shape()), 1.0f};
   Tensor noise = Tensor::empty(x.shape());
   bernoulli_(noise, 1.0 - static_cast<double>(p), gen);
   // PyTorch: noise.div_(1 - p) in float32, then x * noise.
   const float keep = 1.0f - p;
   Tensor out = x.contiguous();
   for (int64_t i = 0; i < out.numel(); ++i) out.data()[i] *= noise.data()[i] / keep;
-  return out;
+  return {std::move(out), std::move(noise), p};
+}
+
+Tensor dropout(const TensorView& x, float p, bool training, Generator& gen) {
+  return dropout_with_mask(x, p, training, gen).output;
 }
 
 Tensor embedding(std::span<const int64_t> ids, const Shape& ids_shape, const TensorView& weight) {

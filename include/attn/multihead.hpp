@@ -1,0 +1,62 @@
+// torch.nn.MultiheadAttention: PyTorch's own multi-head attention module, with its constructor,
+// forward signature, parameter names (in_proj_weight, in_proj_bias, out_proj.weight,
+// out_proj.bias) and initialisation, so a state_dict saved from PyTorch loads unchanged and
+// manual_seed(s) gives the weights torch.manual_seed(s) gives. Like every attn module it only
+// projects and calls scaled_dot_product_attention.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "attn/modules.hpp"
+
+namespace attn::nn {
+
+class MultiheadAttention : public Module {
+ public:
+  // As torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv,
+  // add_zero_attn, kdim, vdim, batch_first). kdim/vdim 0 mean embed_dim. Not supported (ValueError):
+  // add_bias_kv, add_zero_attn, and kdim/vdim other than embed_dim (torch's separate
+  // q/k/v_proj_weight layout).
+  MultiheadAttention(int64_t embed_dim, int64_t num_heads, float dropout = 0.0f, bool bias = true,
+                     bool add_bias_kv = false, bool add_zero_attn = false, int64_t kdim = 0,
+                     int64_t vdim = 0, bool batch_first = false,
+                     Generator& gen = default_generator());
+
+  struct Result {
+    Tensor output;        // (L, N, E), or (N, L, E) with batch_first, or (L, E) unbatched
+    Tensor attn_weights;  // need_weights: (N, L, S) averaged over heads, or (N, H, L, S) with
+                          // average_attn_weights = false (no N when unbatched); else undefined
+  };
+
+  // torch's forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+  // average_attn_weights, is_causal).
+  //   query (L, N, E) / key, value (S, N, E) -- (N, L, E) / (N, S, E) with batch_first -- or
+  //   unbatched (L, E) / (S, E).
+  //   key_padding_mask (N, S) or (S) unbatched: torch's convention, nonzero = the key is IGNORED
+  //   when `*_mask_is_bool`, else a float mask added to the scores. Same for attn_mask, (L, S) or
+  //   (N * num_heads, L, S). (Torch tells the two kinds apart by dtype; attn tensors are float, so
+  //   the kind is explicit.)
+  //   is_causal: masks key j > query i. torch treats it as a hint that attn_mask already is the
+  //   causal mask (and requires one); attn applies the causal mask itself, with or without
+  //   attn_mask.
+  // Dropout (training, p > 0) drops attention weights from the generator, as torch does; the
+  // returned weights are the dropped ones. Unlike torch, a query whose every key is masked gets
+  // output 0 (torch: NaN).
+  Result forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                 const TensorView& key_padding_mask = {}, bool need_weights = true,
+                 const TensorView& attn_mask = {}, bool average_attn_weights = true,
+                 bool is_causal = false, bool key_padding_mask_is_bool = true,
+                 bool attn_mask_is_bool = true) const;
+
+  NamedTensors named_parameters() override;
+
+  int64_t embed_dim, num_heads, head_dim;
+  float dropout;
+  bool batch_first;
+  Tensor in_proj_weight;  // (3 * embed_dim, embed_dim): W_q, W_k, W_v stacked
+  Tensor in_proj_bias;    // (3 * embed_dim) or undefined (bias = false)
+  Linear out_proj;
+};
+
+}  // namespace attn::nn

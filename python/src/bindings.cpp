@@ -1,0 +1,357 @@
+// The attn._attn extension module: scaled_dot_product_attention, the nn modules, the generator
+// and safetensors I/O, with PyTorch's names and argument names. Docstrings live here; the type
+// stubs are python/attn/__init__.pyi.
+//
+// Threads: the GIL is released around every kernel. attn's default generator (torch's global
+// generator) is shared state, so every call that may draw from it (constructors, randn, and
+// forwards with dropout) holds `rng_mutex` while drawing; the mutex is always taken after
+// the GIL is released (or while holding it without releasing), so the two cannot deadlock.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
+
+#include <mutex>
+#include <optional>
+
+#include "attn/attn.hpp"
+#include "convert.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace attn::py {
+namespace {
+
+std::mutex rng_mutex;
+
+PyObject* format_error_type = nullptr;
+
+// Runs f() without the GIL; holds the generator lock too when `draws` (f uses the generator).
+template <typename F>
+auto without_gil(bool draws, F&& f) {
+  nb::gil_scoped_release release;
+  std::unique_lock<std::mutex> lock(rng_mutex, std::defer_lock);
+  if (draws) lock.lock();
+  return f();
+}
+
+std::optional<Input> optional_input(const nb::handle& obj, const char* arg) {
+  if (obj.is_none()) return std::nullopt;
+  return float_input(obj, arg);
+}
+
+// ---- scaled_dot_product_attention -----------------------------------------------------------
+
+nb::object sdpa(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask,
+                double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  const Input q = float_input(query, "query"), k = float_input(key, "key"),
+              v = float_input(value, "value");
+  for (const Input* in : {&q, &k, &v}) {
+    if (in->kind == Kind::kBool) {
+      throw nb::type_error("query, key and value must be float32 or float64 arrays, got bool");
+    }
+  }
+  if (q.kind != k.kind || q.kind != v.kind) {
+    auto name = [](Kind kd) { return kd == Kind::kFloat64 ? "float64" : "float32"; };
+    throw nb::type_error((std::string("query, key and value must have the same dtype, got query ") +
+                          name(q.kind) + ", key " + name(k.kind) + ", value " + name(v.kind)).c_str());
+  }
+  const std::optional<Input> mask = optional_input(attn_mask, "attn_mask");
+  SdpaOptions opt;
+  if (mask) opt.attn_mask = mask->kind == Kind::kBool ? AttnMask::boolean(mask->view) : AttnMask::additive(mask->view);
+  if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) {
+    throw nb::value_error(("dropout_p must be in [0, 1], got " + std::to_string(dropout_p)).c_str());
+  }
+  opt.dropout_p = static_cast<float>(dropout_p);
+  opt.is_causal = is_causal;
+  opt.scale = scale;
+  opt.enable_gqa = enable_gqa;
+  const bool draws = opt.dropout_p > 0.0f;
+  if (q.kind == Kind::kFloat64) {
+    // float64 in, float64 out: the float64 reference. It draws dropout from a copy of the
+    // generator, so draw the same mask on the real one to advance it as torch would.
+    reference::SdpaResultF64 r = without_gil(draws, [&] {
+      reference::SdpaResultF64 res = reference::scaled_dot_product_attention_f64(q.view, k.view, v.view, opt);
+      if (opt.dropout_p > 0.0f && opt.dropout_p < 1.0f) {
+        Tensor noise = Tensor::empty(res.weights_shape);
+        bernoulli_(noise, 1.0 - static_cast<double>(opt.dropout_p));
+      }
+      return res;
+    });
+    return to_numpy(std::move(r.output), r.output_shape);
+  }
+  SdpaResult r = without_gil(draws, [&] { return scaled_dot_product_attention(q.view, k.view, v.view, opt); });
+  return to_numpy(std::move(r.output));
+}
+
+// ---- modules ----------------------------------------------------------------------------------
+
+nb::dict state_dict(nn::Module& m) {
+  nb::dict d;
+  for (auto& [name, t] : m.state_dict()) d[name.c_str()] = to_numpy(Tensor(*t));
+  return d;
+}
+
+void load_state_dict(nn::Module& m, nb::handle sd, bool strict) {
+  if (!nb::isinstance<nb::dict>(sd) && !nb::hasattr(sd, "items")) {
+    throw nb::type_error("state_dict: expected a mapping of names to arrays");
+  }
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (nb::handle item : sd.attr("items")()) {
+    const std::string name = nb::cast<std::string>(item[0]);
+    const Input in = float_input(item[1], ("state_dict['" + name + "']").c_str());
+    tensors.emplace_back(name, in.view.contiguous());
+  }
+  nn::load_state_dict(m, tensors, strict);
+}
+
+template <typename M>
+nb::object forward_x(const M& m, nb::handle x) {
+  const Input in = float_input(x, "x");
+  return to_numpy(without_gil(m.training(), [&] { return m.forward(in.view); }));
+}
+
+}  // namespace
+}  // namespace attn::py
+
+NB_MODULE(_attn, m) {
+  using namespace attn;
+  using namespace attn::py;
+  m.doc() = "attn: transformer attention with PyTorch's semantics (C++ core).";
+
+  format_error_type = PyErr_NewExceptionWithDoc(
+      "attn.FormatError", "A malformed file (e.g. a safetensors header); a ValueError.",
+      PyExc_ValueError, nullptr);
+  m.attr("FormatError") = nb::handle(format_error_type);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const FormatError& e) {
+      PyErr_SetString(format_error_type, e.what());
+    } catch (const ShapeError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const attn::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const attn::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what());
+    } catch (const IoError& e) {
+      PyErr_SetString(PyExc_OSError, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  m.def("scaled_dot_product_attention", &sdpa, "query"_a, "key"_a, "value"_a,
+        "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0, "is_causal"_a = false,
+        "scale"_a = nb::none(), "enable_gqa"_a = false,
+        R"(torch.nn.functional.scaled_dot_product_attention.
+
+query (..., L, E), key (..., S, E), value (..., S, Ev) -> (..., L, Ev), with leading dims
+(B, H), (H) or none. attn_mask: a bool array (True = the key takes part) or a float array added
+to the scores, broadcastable to (..., L, S). dropout_p draws from attn's default generator
+exactly as PyTorch's math path does (attn.manual_seed). scale defaults to 1/sqrt(E).
+enable_gqa lets key/value have fewer heads than query.
+
+float32 inputs run on attn's kernels (zero-copy when the strides allow) and return float32;
+float64 inputs run on the float64 reference (inputs rounded to float32 first, every product and
+sum in float64) and return float64. A row whose every key is masked gives 0, not NaN.
+Raises TypeError for other dtypes or GPU tensors, ValueError for bad shapes or values.)");
+
+  m.def("manual_seed", [](uint64_t seed) {
+    std::lock_guard<std::mutex> lock(rng_mutex);
+    manual_seed(seed);
+  }, "seed"_a, "torch.manual_seed: seeds attn's default generator (PyTorch's CPU generator, bit for bit).");
+  m.def("rand", [](std::vector<int64_t> size) {
+    std::lock_guard<std::mutex> lock(rng_mutex);
+    return to_numpy(rand(Shape(std::span<const int64_t>(size))));
+  }, "size"_a, "torch.rand(size) from attn's default generator, as float32 NumPy array.");
+  m.def("randn", [](std::vector<int64_t> size) {
+    std::lock_guard<std::mutex> lock(rng_mutex);
+    return to_numpy(randn(Shape(std::span<const int64_t>(size))));
+  }, "size"_a, "torch.randn(size) from attn's default generator, as float32 NumPy array.");
+
+  m.def("load_file", [](const std::string& path) {
+    Safetensors st;
+    {
+      nb::gil_scoped_release release;
+      st = load_safetensors(path);
+    }
+    nb::dict d;
+    for (auto& [name, t] : st.tensors) d[name.c_str()] = to_numpy(std::move(t));
+    return d;
+  }, "path"_a, R"(Reads a safetensors file into {name: float32 array} (F32; F64/F16/BF16 are
+converted). Raises attn.FormatError (a ValueError) naming the file and the problem, OSError if
+it cannot be read.)");
+  m.def("load_metadata", [](const std::string& path) { return load_safetensors(path).metadata; },
+        "path"_a, "The \"__metadata__\" of a safetensors file, as a dict of strings.");
+  m.def("save_file", [](nb::dict tensors, const std::string& path,
+                        std::optional<std::map<std::string, std::string>> metadata) {
+    std::vector<Input> inputs;
+    NamedViews views;
+    inputs.reserve(tensors.size());
+    for (auto [k, v] : tensors) {
+      const std::string name = nb::cast<std::string>(k);
+      inputs.push_back(float_input(v, ("tensors['" + name + "']").c_str()));
+      views.emplace_back(name, inputs.back().view);
+    }
+    nb::gil_scoped_release release;
+    save_safetensors(path, views, metadata.value_or(std::map<std::string, std::string>{}));
+  }, "tensors"_a, "path"_a, "metadata"_a = nb::none(),
+        R"(Writes {name: array} to a safetensors file as F32 (safetensors.numpy.save_file), atomically:
+a temporary file in the same directory, then renamed.)");
+
+  // Module base: what torch.nn.Module offers that attn's modules have.
+  nb::class_<nn::Module>(m, "Module", "Base of attn's modules (torch.nn.Module's subset).")
+      .def("train", [](nn::Module& self, bool mode) -> nn::Module& { self.train(mode); return self; },
+           "mode"_a = true, nb::rv_policy::reference, "Training mode on or off (dropout); returns self.")
+      .def("eval", [](nn::Module& self) -> nn::Module& { self.eval(); return self; },
+           nb::rv_policy::reference, "eval(): train(False); returns self.")
+      .def_prop_ro("training", &nn::Module::training)
+      .def("state_dict", &state_dict,
+           "{name: float32 array} (copies) with PyTorch's state_dict names and order.")
+      .def("load_state_dict", &load_state_dict, "state_dict"_a, "strict"_a = true,
+           "Copies arrays into parameters and buffers; shapes must match (ValueError), strict: "
+           "missing or unexpected names raise ValueError. Nothing changes when it raises.")
+      .def("named_parameters", [](nn::Module& self) {
+        std::vector<std::pair<std::string, nb::object>> out;
+        for (auto& [name, t] : self.named_parameters()) out.emplace_back(name, to_numpy(Tensor(*t)));
+        return out;
+      }, "[(name, float32 array)] of trainable tensors (copies), in registration order.")
+      .def("num_parameters", &nn::Module::num_parameters)
+      .def("save_safetensors", [](nn::Module& self, const std::string& path,
+                                  std::optional<std::map<std::string, std::string>> metadata) {
+        nb::gil_scoped_release release;
+        nn::save_safetensors(self, path, metadata.value_or(std::map<std::string, std::string>{}));
+      }, "path"_a, "metadata"_a = nb::none(), "state_dict() to a safetensors file (atomic write).")
+      .def("load_safetensors", [](nn::Module& self, const std::string& path, bool strict) {
+        nb::gil_scoped_release release;
+        nn::load_safetensors(self, path, strict);
+      }, "path"_a, "strict"_a = true,
+           "Loads a safetensors state_dict (e.g. saved from PyTorch) into this module.");
+
+  // Every constructor may draw from the default generator: each holds rng_mutex.
+  nb::class_<nn::Linear, nn::Module>(m, "Linear", "torch.nn.Linear: y = x @ weight.T + bias.")
+      .def("__init__", [](nn::Linear* self, int64_t in, int64_t out, bool bias) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::Linear(in, out, bias);
+      }, "in_features"_a, "out_features"_a, "bias"_a = true)
+      .def("forward", &forward_x<nn::Linear>, "x"_a)
+      .def("__call__", &forward_x<nn::Linear>, "x"_a)
+      .def_ro("in_features", &nn::Linear::in_features)
+      .def_ro("out_features", &nn::Linear::out_features);
+
+  nb::class_<nn::Dropout, nn::Module>(m, "Dropout", "torch.nn.Dropout (draws from the default generator).")
+      .def("__init__", [](nn::Dropout* self, float p) { new (self) nn::Dropout(p); }, "p"_a = 0.5f)
+      .def("forward", &forward_x<nn::Dropout>, "x"_a)
+      .def("__call__", &forward_x<nn::Dropout>, "x"_a)
+      .def_ro("p", &nn::Dropout::p);
+
+  auto embed = [](const nn::Embedding& self, nb::handle ids) {
+    Shape shape;
+    const std::vector<int64_t> v = int_input(ids, "input", shape);
+    nb::gil_scoped_release release;
+    return self.forward(v, shape);
+  };
+  auto embed_np = [embed](const nn::Embedding& self, nb::handle ids) { return to_numpy(embed(self, ids)); };
+  nb::class_<nn::Embedding, nn::Module>(m, "Embedding", "torch.nn.Embedding: rows of weight for integer ids.")
+      .def("__init__", [](nn::Embedding* self, int64_t num, int64_t dim) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::Embedding(num, dim);
+      }, "num_embeddings"_a, "embedding_dim"_a)
+      .def("forward", embed_np, "input"_a)
+      .def("__call__", embed_np, "input"_a)
+      .def_ro("num_embeddings", &nn::Embedding::num_embeddings)
+      .def_ro("embedding_dim", &nn::Embedding::embedding_dim);
+
+  nb::class_<nn::SelfAttentionV1, nn::Module>(m, "SelfAttentionV1",
+      "The chapter's SelfAttention_v1 (section 3.4.1): torch.rand weights, x @ W.")
+      .def("__init__", [](nn::SelfAttentionV1* self, int64_t d_in, int64_t d_out) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::SelfAttentionV1(d_in, d_out);
+      }, "d_in"_a, "d_out"_a)
+      .def("forward", &forward_x<nn::SelfAttentionV1>, "x"_a)
+      .def("__call__", &forward_x<nn::SelfAttentionV1>, "x"_a);
+
+  nb::class_<nn::SelfAttentionV2, nn::Module>(m, "SelfAttentionV2",
+      "The chapter's SelfAttention_v2 (section 3.4.2): nn.Linear projections.")
+      .def("__init__", [](nn::SelfAttentionV2* self, int64_t d_in, int64_t d_out, bool qkv_bias) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::SelfAttentionV2(d_in, d_out, qkv_bias);
+      }, "d_in"_a, "d_out"_a, "qkv_bias"_a = false)
+      .def("forward", &forward_x<nn::SelfAttentionV2>, "x"_a)
+      .def("__call__", &forward_x<nn::SelfAttentionV2>, "x"_a);
+
+  nb::class_<nn::CausalAttention, nn::Module>(m, "CausalAttention",
+      "The chapter's CausalAttention (section 3.5): (b, T, d_in) -> (b, T, d_out).")
+      .def("__init__", [](nn::CausalAttention* self, int64_t d_in, int64_t d_out, int64_t ctx,
+                          float dropout, bool qkv_bias) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::CausalAttention(d_in, d_out, ctx, dropout, qkv_bias);
+      }, "d_in"_a, "d_out"_a, "context_length"_a, "dropout"_a, "qkv_bias"_a = false)
+      .def("forward", &forward_x<nn::CausalAttention>, "x"_a)
+      .def("__call__", &forward_x<nn::CausalAttention>, "x"_a);
+
+  nb::class_<nn::MultiHeadAttentionWrapper, nn::Module>(m, "MultiHeadAttentionWrapper",
+      "The chapter's MultiHeadAttentionWrapper (section 3.6.1): heads concatenated.")
+      .def("__init__", [](nn::MultiHeadAttentionWrapper* self, int64_t d_in, int64_t d_out,
+                          int64_t ctx, float dropout, int64_t num_heads, bool qkv_bias) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::MultiHeadAttentionWrapper(d_in, d_out, ctx, dropout, num_heads, qkv_bias);
+      }, "d_in"_a, "d_out"_a, "context_length"_a, "dropout"_a, "num_heads"_a, "qkv_bias"_a = false)
+      .def("forward", &forward_x<nn::MultiHeadAttentionWrapper>, "x"_a)
+      .def("__call__", &forward_x<nn::MultiHeadAttentionWrapper>, "x"_a);
+
+  nb::class_<nn::MultiHeadAttention, nn::Module>(m, "MultiHeadAttention",
+      "The chapter's MultiHeadAttention (section 3.6.2): split heads, causal, out_proj.")
+      .def("__init__", [](nn::MultiHeadAttention* self, int64_t d_in, int64_t d_out, int64_t ctx,
+                          float dropout, int64_t num_heads, bool qkv_bias) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::MultiHeadAttention(d_in, d_out, ctx, dropout, num_heads, qkv_bias);
+      }, "d_in"_a, "d_out"_a, "context_length"_a, "dropout"_a, "num_heads"_a, "qkv_bias"_a = false)
+      .def("forward", &forward_x<nn::MultiHeadAttention>, "x"_a)
+      .def("__call__", &forward_x<nn::MultiHeadAttention>, "x"_a);
+
+  auto mha_forward = [](const nn::MultiheadAttention& self, nb::handle query, nb::handle key,
+                        nb::handle value, nb::handle key_padding_mask, bool need_weights,
+                        nb::handle attn_mask, bool average_attn_weights, bool is_causal) {
+    const Input q = float_input(query, "query"), k = float_input(key, "key"), v = float_input(value, "value");
+    const std::optional<Input> kpm = optional_input(key_padding_mask, "key_padding_mask");
+    const std::optional<Input> am = optional_input(attn_mask, "attn_mask");
+    nn::MultiheadAttention::Result r = without_gil(self.training() && self.dropout > 0.0f, [&] {
+      return self.forward(q.view, k.view, v.view, kpm ? kpm->view : TensorView{}, need_weights,
+                          am ? am->view : TensorView{}, average_attn_weights, is_causal,
+                          !kpm || kpm->kind == Kind::kBool, !am || am->kind == Kind::kBool);
+    });
+    nb::object w = r.attn_weights.defined() ? to_numpy(std::move(r.attn_weights)) : nb::none();
+    return nb::make_tuple(to_numpy(std::move(r.output)), w);
+  };
+  nb::class_<nn::MultiheadAttention, nn::Module>(m, "MultiheadAttention",
+      R"(torch.nn.MultiheadAttention: same constructor, forward, parameter names
+(in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias) and seeded initialisation.
+add_bias_kv, add_zero_attn and kdim/vdim != embed_dim are not supported (ValueError).)")
+      .def("__init__", [](nn::MultiheadAttention* self, int64_t embed_dim, int64_t num_heads,
+                          float dropout, bool bias, bool add_bias_kv, bool add_zero_attn,
+                          std::optional<int64_t> kdim, std::optional<int64_t> vdim, bool batch_first) {
+        std::lock_guard<std::mutex> lock(rng_mutex);
+        new (self) nn::MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv,
+                                          add_zero_attn, kdim.value_or(0), vdim.value_or(0), batch_first);
+      }, "embed_dim"_a, "num_heads"_a, "dropout"_a = 0.0f, "bias"_a = true, "add_bias_kv"_a = false,
+         "add_zero_attn"_a = false, "kdim"_a = nb::none(), "vdim"_a = nb::none(), "batch_first"_a = false)
+      .def("forward", mha_forward, "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = nb::none(),
+           "need_weights"_a = true, "attn_mask"_a = nb::none(), "average_attn_weights"_a = true,
+           "is_causal"_a = false,
+           R"(Returns (attn_output, attn_weights or None), as torch. Bool masks: True = ignore the
+key (torch's convention here); float masks are added to the scores. is_causal applies the causal
+mask (torch only uses it as a hint about attn_mask).)")
+      .def("__call__", mha_forward, "query"_a, "key"_a, "value"_a, "key_padding_mask"_a = nb::none(),
+           "need_weights"_a = true, "attn_mask"_a = nb::none(), "average_attn_weights"_a = true,
+           "is_causal"_a = false)
+      .def_ro("embed_dim", &nn::MultiheadAttention::embed_dim)
+      .def_ro("num_heads", &nn::MultiheadAttention::num_heads)
+      .def_ro("head_dim", &nn::MultiheadAttention::head_dim)
+      .def_ro("batch_first", &nn::MultiheadAttention::batch_first)
+      .def_ro("dropout", &nn::MultiheadAttention::dropout);
+}
