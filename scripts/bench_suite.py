@@ -15,7 +15,7 @@ use. The FMA peak is measured by `attn bench --peak-only` (and again inside ever
 own figure gives its "% of peak"). On a shared machine the peak measured just before each run
 also tells whether another process had the cores: such a run is retried once, then marked `*`.
 
-    scripts/bench_suite.py            # full suite -> docs/PERFORMANCE.md (about 10-15 minutes)
+    scripts/bench_suite.py            # full suite -> docs/PERFORMANCE.md (about 20-25 minutes)
     scripts/bench_suite.py --quick    # a few small shapes, table on stdout only (smoke test)
 
 Exit status: 0 if every run succeeded, 1 if some run failed (the table marks it and still gets
@@ -44,6 +44,8 @@ FULL_DIMS = (64, 128)
 FULL_REPEATS = {512: (10, 2), 1024: (10, 2), 2048: (5, 1), 4096: (3, 1), 8192: (2, 1)}
 QUICK_SHAPES = ((512, 64, False), (512, 64, True), (1024, 64, False), (1024, 128, True))
 BACKWARD_SEQS = (1024, 2048, 4096)
+# The reference backward takes ~10 s per call at L=4096: fewer runs keep the suite short.
+BACKWARD_REPEATS = {1024: (5, 1), 2048: (3, 1), 4096: (2, 1)}
 QUICK_BACKWARD_SHAPES = ((512, 64, True),)
 QUICK_REPEATS = (3, 1)
 RUN_TIMEOUT_S = 900
@@ -222,7 +224,7 @@ def configurations(quick: bool, threads: list[int], backward: bool = True) -> li
     else:
         shapes = [(l, e, c, False, *FULL_REPEATS[l])
                   for l in FULL_SEQS for e in FULL_DIMS for c in (False, True)]
-        shapes += [(l, e, c, True, *FULL_REPEATS[l])
+        shapes += [(l, e, c, True, *BACKWARD_REPEATS[l])
                    for l in BACKWARD_SEQS for e in FULL_DIMS for c in (False, True)]
     return [{"batch": BATCH, "heads": HEADS, "kv_heads": HEADS, "seq": l, "seq_kv": l, "dim": e,
              "causal": c, "backward": b, "threads": t, "repeats": r, "warmup": w}
@@ -348,8 +350,12 @@ def render(args, rows, peaks, torch_version, machine, started, elapsed_s, comman
         cpu += f", virtual machine ({machine['hypervisor']})"
     caches = ", ".join(f"{k} {machine[k]}" for k in ("L2 cache", "L3 cache") if k in machine)
     seqs = sorted({r["config"]["seq"] for r in rows})
-    reps = ", ".join(f"L={r['config']['seq']}: {r['config']['repeats']} (+{r['config']['warmup']} "
-                     f"warmup)" for r in {row["config"]["seq"]: row for row in rows}.values())
+    def reps_of(backward: bool) -> str:
+        chosen = {row["config"]["seq"]: row for row in rows if row["config"].get("backward") == backward}
+        return ", ".join(f"L={r['config']['seq']}: {r['config']['repeats']} (+{r['config']['warmup']} "
+                         f"warmup)" for r in chosen.values())
+    reps = reps_of(False) + ("; backward " + reps_of(True) if any(
+        r["config"].get("backward") for r in rows) else "")
     out = [
         "# Performance",
         "",

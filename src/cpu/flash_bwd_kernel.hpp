@@ -32,6 +32,7 @@ inline int64_t round_up(int64_t x) { return (x + W - 1) / W * W; }
 // and dQ rows once (5 L x E floats, far beyond L2 at long L), so a group of 4 key blocks cuts
 // that traffic 4x while the group's dK, dV accumulators (4 x 64 rows) stay in L2.
 constexpr int64_t kKeyGroup = 4;
+constexpr int64_t kBwdEChunk = 64;
 
 inline int64_t backward_workspace_floats(int64_t L, int64_t E, int64_t Ev) {
   const int64_t lp = (L + kBQ - 1) / kBQ * kBQ, ep = round_up(E), evp = round_up(Ev);
@@ -203,14 +204,14 @@ inline void backward_head_impl(const FlashParams& p, const FlashBwdHead& h, floa
         if (p.causal && j0 > i0 + b.nq - 1 + p.causal_offset) break;  // hidden from the block
         const int64_t nk = imin(kBK, g0 + ng - j0), kk = j0 - g0;
 
-        scores_block(qtb, h.k, p.k_row, E, j0, nk, p.scale_log2, st);
+        scores_block(qtb, h.k, p.k_row, E, j0, nk, p.scale_log2, st, kBwdEChunk);
         mask_block(p, b, j0, nk, st);
         for (int64_t jj = 0; jj < nk; ++jj) {
           const vf x0 = load(st + jj * kBQ) - l0, x1 = load(st + jj * kBQ + W) - l1;
           store(st + jj * kBQ, exp2v(x0 > 0.0f ? splat(0.0f) : x0));
           store(st + jj * kBQ + W, exp2v(x1 > 0.0f ? splat(0.0f) : x1));
         }
-        scores_block(dotb, h.v, p.v_row, Ev, j0, nk, 1.0f, dpt);
+        scores_block(dotb, h.v, p.v_row, Ev, j0, nk, 1.0f, dpt, kBwdEChunk);
         const float* pd = st;
         if (p.dropout_p > 0.0f) {
           std::memcpy(pdt, st, static_cast<size_t>(nk * kBQ) * sizeof(float));

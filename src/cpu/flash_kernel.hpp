@@ -115,15 +115,16 @@ inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t
 // folding it into Q instead rounds every product q_e * k_e, an error that grows with the sum of
 // |q_e k_e| rather than with the score.
 inline void scores_block(const float* qt, const float* k, int64_t k_row, int64_t E, int64_t j0,
-                         int64_t nk, float scale_log2, float* st) {
-  for (int64_t e0 = 0; e0 < E; e0 += kEChunk) {
-    const int64_t e1 = imin(e0 + kEChunk, E);
+                         int64_t nk, float scale_log2, float* st, int64_t chunk = kEChunk) {
+  for (int64_t e0 = 0; e0 < E; e0 += chunk) {
+    const int64_t e1 = imin(e0 + chunk, E);
     int64_t jj = 0;
     for (; jj + kJT <= nk; jj += kJT) {
       scores_tile<kJT>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
     }
     for (; jj < nk; ++jj) scores_tile<1>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
   }
+  if (scale_log2 == 1.0f) return;
   for (int64_t i = 0; i < nk * kBQ; i += W) store(st + i, load(st + i) * scale_log2);
 }
 
