@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <fmt/format.h>
 #include <iostream>
 #include <string>
@@ -11,6 +12,7 @@
 #include "attn/error.hpp"
 #include "bench.hpp"
 #include "demo.hpp"
+#include "gpt_commands.hpp"
 
 namespace {
 
@@ -55,7 +57,9 @@ int run(int argc, char** argv) {
       "attn: attention mechanisms of transformer language models, with PyTorch's numbers.\n"
       "Run `attn demo` to walk through chapter 3 of \"Build a Large Language Model (From\n"
       "Scratch)\": every tensor printed is the one PyTorch prints for the same code and seed.\n"
-      "Run `attn bench` to time the attention kernels against the machine's FMA peak."};
+      "Run `attn bench` to time the attention kernels against the machine's FMA peak.\n"
+      "Run `attn train` to train a tiny GPT on a task that needs attention, then `attn generate`\n"
+      "and `attn heatmap` to decode with a KV cache and to see where its heads look."};
   app.require_subcommand(1);
   app.footer(
       "Each subcommand has its own --help. Tensors are printed in PyTorch's format; seeds give\n"
@@ -102,6 +106,10 @@ int run(int argc, char** argv) {
   bench->add_flag("--peak-only", bench_config.peak_only,
                   "Only measure the FMA peak on --threads threads");
 
+  const std::function<int()> run_train = attn::cli::add_train_command(app);
+  const std::function<int()> run_generate = attn::cli::add_generate_command(app);
+  const std::function<int()> run_heatmap = attn::cli::add_heatmap_command(app);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -110,6 +118,9 @@ int run(int argc, char** argv) {
   }
   try {
     if (demo->parsed()) return run_demo(step, list);
+    if (app.got_subcommand("train")) return run_train();
+    if (app.got_subcommand("generate")) return run_generate();
+    if (app.got_subcommand("heatmap")) return run_heatmap();
     if (bench->parsed()) {
       if (kv_heads_opt->count() > 0) bench_config.kv_heads = kv_heads;
       if (seq_kv_opt->count() > 0) bench_config.seq_kv = seq_kv;

@@ -3,8 +3,11 @@
 
 #include "attn/error.hpp"
 #include "attn/functional.hpp"
+#include "attn/gpt.hpp"
+#include "attn/gpt_train.hpp"
 #include "attn/modules.hpp"
 #include "attn/multihead.hpp"
+#include "attn/optim.hpp"
 #include "attn/print.hpp"
 #include "attn/random.hpp"
 #include "attn/safetensors.hpp"

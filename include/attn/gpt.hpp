@@ -1,0 +1,240 @@
+// A tiny decoder-only transformer (GPT) built from attn's modules, a KV cache for decoding one
+// token at a time, and the associative-recall task it is trained on (`attn train`).
+//
+// Model (the book's GPTModel, chapter 4, with PyTorch-style state_dict names):
+//   tok_emb (V, C) + pos_emb (ctx, C)
+//   blocks.i: x + att(norm1(x)), then x + ff(norm2(x))   (pre-norm; att = nn::MultiHeadAttention,
+//             causal; ff.layers.0 = Linear(C, r*C), GELU, ff.layers.2 = Linear(r*C, C))
+//   final_norm, out_head (Linear(C, V), no bias; or tied: logits = x @ tok_emb.weight^T)
+// With AttentionKind::kUniform every attention is replaced by the uniform average over the
+// current and previous positions (scaled_dot_product_attention with scale 0: all scores equal),
+// the ablation showing that the task needs content-based attention.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "attn/modules.hpp"
+
+namespace attn::gpt {
+
+enum class AttentionKind { kSoftmax, kUniform };
+
+struct GPTConfig {
+  int64_t vocab_size = 33;
+  int64_t context_length = 32;
+  int64_t d_model = 64;
+  int64_t n_layers = 2;
+  int64_t n_heads = 4;
+  int64_t mlp_ratio = 4;  // hidden width of the MLP = mlp_ratio * d_model
+  float dropout = 0.0f;   // on the attention weights (MultiHeadAttention's dropout)
+  bool tie_weights = false;
+  AttentionKind attention = AttentionKind::kSoftmax;
+
+  // ValueError naming the field for a non-positive size or d_model % n_heads != 0.
+  void validate() const;
+  // As safetensors metadata ("gpt.d_model" -> "64", ...), and back: FormatError naming `source`
+  // when a key is missing or not a number.
+  std::map<std::string, std::string> to_metadata() const;
+  static GPTConfig from_metadata(const std::map<std::string, std::string>& meta,
+                                 const std::string& source);
+  // "d_model=64 n_layers=2 ..." for messages.
+  std::string describe() const;
+  friend bool operator==(const GPTConfig&, const GPTConfig&) = default;
+};
+
+// Position-wise MLP: layers.0 (C -> rC), GELU, layers.2 (rC -> C), as the book's FeedForward.
+class FeedForward : public nn::Module {
+ public:
+  FeedForward(int64_t d_model, int64_t hidden, Generator& gen);
+  Tensor forward(const TensorView& x);  // (..., C) -> (..., C); saves for backward
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);
+  nn::NamedTensors named_parameters() override;
+  nn::NamedTensors named_grads() override;
+
+  nn::Linear fc1;
+  nn::GELU act;
+  nn::Linear fc2;
+};
+
+// Per layer, the keys and values of every position seen so far, preallocated for the whole
+// context: keys[l], values[l] are (B, H, context_length, head_dim); rows [0, length) are filled.
+struct KVCache {
+  KVCache(const GPTConfig& config, int64_t batch);
+  void reset() { length = 0; }
+
+  int64_t batch, length = 0, capacity;
+  std::vector<Tensor> keys, values;
+};
+
+class TransformerBlock : public nn::Module {
+ public:
+  TransformerBlock(const GPTConfig& config, Generator& gen);
+  Tensor forward(const TensorView& x);  // (B, T, C) -> (B, T, C); saves for backward
+  Tensor forward(const TensorView& x) const;
+  Tensor backward(const TensorView& grad_output);  // -> dL/dx (B, T, C)
+  // Inference on L new positions of x (B, L, C) at positions [cache.length, cache.length + L):
+  // appends their keys and values to layer `layer` of the cache (does not advance its length)
+  // and attends over every cached position (bottom-right causal). weights: if non-null, gets
+  // the attention weights (B, H, L, length + L).
+  Tensor forward_cached(const TensorView& x, KVCache& cache, int64_t layer, Tensor* weights) const;
+
+  nn::NamedTensors named_parameters() override;
+  nn::NamedTensors named_grads() override;
+  nn::NamedTensors state_dict() override;
+  void train(bool mode = true) override;
+
+  AttentionKind attention;
+  nn::LayerNorm norm1;
+  nn::MultiHeadAttention att;
+  nn::LayerNorm norm2;
+  FeedForward ff;
+
+ private:
+  Tensor attend(const TensorView& h);  // recording attention (softmax: the module's own)
+  Tensor attend_backward(const TensorView& grad_output);
+  struct UniformSaved {
+    Tensor values;  // (B, T, C): the W_value projection
+    SdpaResult result;
+    SdpaOptions options;
+  };
+  std::optional<UniformSaved> uniform_saved_;
+};
+
+class GPTModel : public nn::Module {
+ public:
+  explicit GPTModel(const GPTConfig& config, Generator& gen = default_generator());
+  GPTModel(const GPTModel&) = delete;  // optimizers hold pointers into the parameters
+  GPTModel& operator=(const GPTModel&) = delete;
+
+  // ids: B*T token ids, row-major (B, T) -> logits (B, T, vocab). IndexError for an id outside
+  // the vocabulary, ShapeError for T > context_length. The non-const one saves for backward.
+  Tensor forward(std::span<const int64_t> ids, int64_t B, int64_t T);
+  Tensor forward(std::span<const int64_t> ids, int64_t B, int64_t T) const;
+  // grad_logits (B, T, vocab): adds every parameter's gradient into named_grads().
+  void backward(const TensorView& grad_logits);
+  // Incremental decoding: ids (B, L) at positions [cache.length, cache.length + L) ->
+  // logits (B, L, vocab); appends to the cache and advances cache.length. ShapeError when the
+  // cache would exceed context_length. attn_weights: if non-null, one (B, H, L, length + L)
+  // tensor per layer.
+  Tensor forward_cached(std::span<const int64_t> ids, int64_t B, int64_t L, KVCache& cache,
+                        std::vector<Tensor>* attn_weights = nullptr) const;
+
+  nn::NamedTensors named_parameters() override;
+  nn::NamedTensors named_grads() override;
+  nn::NamedTensors state_dict() override;
+  void train(bool mode = true) override;
+
+  GPTConfig config;
+  nn::Embedding tok_emb, pos_emb;
+  std::vector<TransformerBlock> blocks;
+  nn::LayerNorm final_norm;
+  std::optional<nn::Linear> out_head;  // absent when tie_weights
+
+ private:
+  Tensor embed(std::span<const int64_t> ids, int64_t B, int64_t T, int64_t start) const;
+  Tensor head(const TensorView& x) const;
+  std::optional<Tensor> saved_final_;  // final_norm's output, for the head's backward
+};
+
+// ---- loss and perplexity -------------------------------------------------------------------------
+
+// Cross-entropy of logits (N, V) rows against targets (N); a target of -1 is not scored.
+struct LossStats {
+  double sum_nll = 0.0;  // sum over scored rows of -log softmax(logits)[target], in float64
+  int64_t count = 0;     // scored rows
+  int64_t correct = 0;   // scored rows whose argmax is the target
+  double mean() const { return count > 0 ? sum_nll / static_cast<double>(count) : 0.0; }
+  // exp(mean cross-entropy): the model is as unsure as a uniform choice among this many tokens.
+  double perplexity() const;
+  double accuracy() const { return count > 0 ? static_cast<double>(correct) / count : 0.0; }
+};
+LossStats masked_cross_entropy(const TensorView& logits, std::span<const int64_t> targets);
+// d(mean loss)/d(logits) (N, V): (softmax - onehot) / count on scored rows, 0 elsewhere.
+Tensor masked_cross_entropy_backward(const TensorView& logits, std::span<const int64_t> targets);
+
+// ---- the tasks ---------------------------------------------------------------------------------------
+
+// Two synthetic tasks that only attention can solve, generated on the fly from a seed.
+//
+// kCopy (the default): "x1 x2 ... xn | x1 x2 ... xn": n random keys (lower-case letters, with
+// repetition), a separator, then the same n again; the n copied tokens are scored. The token to
+// predict at position n + i is the one at position i: a head must look back exactly n positions.
+//
+// kRecall: "k1 v1 k2 v2 ... kn vn | q1 a1 q2 a2 ...": n distinct keys (lower-case), each with a
+// random value (upper-case), a separator, then queried keys (drawn from the n, with repetition),
+// each followed by its value; only the answers a_i are scored. It needs two hops (a
+// previous-token head, then a head matching the queried key: an induction head), which small
+// models learn much more slowly.
+//
+// Values and copied tokens are random per sequence, so they can only be read off the context.
+enum class TaskKind { kCopy, kRecall };
+
+struct RecallTask {
+  TaskKind kind = TaskKind::kCopy;
+  int64_t num_keys = 16, num_values = 16;
+  int64_t num_pairs = 8, num_queries = 8;  // kRecall
+  int64_t copy_length = 16;                // kCopy
+
+  void validate() const;  // ValueError: sizes, at most 26 keys and values, num_pairs <= num_keys
+  int64_t vocab_size() const { return num_keys + num_values + 1; }
+  int64_t separator() const { return num_keys + num_values; }
+  int64_t sequence_length() const {
+    return kind == TaskKind::kCopy ? 2 * copy_length + 1 : 2 * num_pairs + 1 + 2 * num_queries;
+  }
+  int64_t context_length() const { return sequence_length() - 1; }  // model inputs per sequence
+  const char* name() const { return kind == TaskKind::kCopy ? "copy" : "recall"; }
+  std::string describe() const;
+
+  // One character per token: 'a'.. keys, 'A'.. values, '|' separator.
+  char token_char(int64_t id) const;
+  std::string decode(std::span<const int64_t> ids) const;
+  // Spaces are skipped; any other character outside the vocabulary: ValueError naming it.
+  std::vector<int64_t> encode(std::string_view text) const;
+  // For a sequence of this task: (position, source) for each position whose next token is found
+  // at `source` (copy: the token n back; recall: the value after the queried key).
+  std::vector<std::pair<int64_t, int64_t>> sources(std::span<const int64_t> ids) const;
+
+  struct Batch {
+    int64_t B = 0, T = 0;
+    std::vector<int64_t> inputs;   // (B, T)
+    std::vector<int64_t> targets;  // (B, T): the next token where scored, else -1
+  };
+  // B sequences from a generator seeded by (seed, stream, index): training batches use stream
+  // 0 and held-out batches stream 1, so the two never share a seed.
+  Batch sample(int64_t B, uint64_t seed, uint64_t stream, uint64_t index) const;
+  std::map<std::string, std::string> to_metadata() const;
+  static RecallTask from_metadata(const std::map<std::string, std::string>& meta,
+                                  const std::string& source);
+  friend bool operator==(const RecallTask&, const RecallTask&) = default;
+};
+
+// ---- generation ------------------------------------------------------------------------------------
+
+struct SamplingOptions {
+  int64_t max_new_tokens = 16;
+  float temperature = 0.0f;  // 0: greedy (argmax); else softmax(logits / temperature)
+  int64_t top_k = 0;         // > 0: sample among the k most likely tokens only
+  uint64_t seed = 0;
+  bool use_cache = true;     // false: recompute the whole sequence for every new token
+};
+
+// Generates up to max_new_tokens after `prompt` (stops at the context length), one token at a
+// time. ValueError for an empty prompt, ShapeError for a prompt longer than the context,
+// IndexError for an id outside the vocabulary. step_logits: if non-null, the (vocab) logits
+// each new token was chosen from.
+std::vector<int64_t> generate(const GPTModel& model, std::span<const int64_t> prompt,
+                              const SamplingOptions& options,
+                              std::vector<Tensor>* step_logits = nullptr);
+
+// Checks ids against the model before anything runs: IndexError naming the position.
+void check_ids(std::span<const int64_t> ids, int64_t vocab_size, const char* what);
+
+}  // namespace attn::gpt
