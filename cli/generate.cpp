@@ -87,9 +87,10 @@ std::function<int()> add_generate_command(CLI::App& app) {
       "generate",
       "Continue a prompt with a checkpoint of `attn train`, one token at a time: each step feeds\n"
       "only the newest token and attends over the keys and values cached for the earlier ones\n"
-      "(bottom-right causal alignment). Tokens are characters: keys a.., values A.., separator |.\n"
-      "A copy checkpoint continues --prompt \"heecllogjmdgfnma|\" with the same 16 letters; a\n"
-      "recall checkpoint answers --prompt \"aKbLcM|b\" with L.");
+      "(bottom-right causal alignment). Tokens are characters: letters a.., upper-case A.., and the\n"
+      "separator |. A lookup checkpoint (the default task) answers --prompt\n"
+      "\"pbkdgjcmfhnoleia|C\" with k (the 3rd letter); a copy checkpoint continues\n"
+      "\"heecllogjmdgfnma|\" with the same 16 letters; a recall checkpoint answers \"aKbLcM|b\" with L.");
   g->add_option("--checkpoint", a->checkpoint, "Checkpoint written by `attn train`");
   g->add_option("--prompt", a->prompt, "Prompt text (spaces are ignored)");
   g->add_option("--max-new-tokens", a->sampling.max_new_tokens, "Tokens to generate (stops at the context)")

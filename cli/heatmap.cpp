@@ -1,6 +1,6 @@
 // `attn heatmap`: attention weights as a PNG, one panel per head. --demo draws the chapter's
 // mechanisms on "Your journey starts with one step"; --checkpoint draws every head of a trained
-// model on a recall example, with the cells the task needs outlined.
+// model on an example of its task, with the cells the task needs outlined.
 #include <algorithm>
 #include <fmt/format.h>
 #include <iostream>
@@ -107,8 +107,8 @@ int run_heatmap(const HeatmapArgs& a) {
     std::vector<std::string> labels;
     for (int64_t id : ids) labels.emplace_back(1, task.token_char(id));
     const auto lookups = task.sources(ids);
-    // Where each scored position's answer is: the token n back (copy), the value after the
-    // queried key (recall).
+    // Where each scored position's answer is: the position the query names (lookup), the token
+    // n back (copy), the value after the queried key (recall).
     const std::vector<std::pair<int64_t, int64_t>>& marks = lookups;
     std::cout << fmt::format("sequence: {}\n", task.decode(ids));
     for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -117,15 +117,21 @@ int run_heatmap(const HeatmapArgs& a) {
         const Tensor w = weights[static_cast<size_t>(l)].select(0, 0).select(0, h).contiguous();
         HeatPanel p = panel(fmt::format("layer {} head {}", l + 1, h + 1), w, labels);
         p.marks = marks;
+        // Also the key position with the largest mean weight over the scored rows: a head can
+        // solve the task by reading something other than the answer's position.
         double on_source = 0.0, before = 0.0;
+        std::vector<double> per_key(ids.size(), 0.0);
         for (const auto& [t, src] : lookups) {
           on_source += w.at({t, src});
           if (src > 0) before += w.at({t, src - 1});
+          for (int64_t k = 0; k <= t; ++k) per_key[static_cast<size_t>(k)] += w.at({t, k});
         }
         const double n = std::max<double>(1.0, static_cast<double>(lookups.size()));
+        const size_t top = static_cast<size_t>(std::max_element(per_key.begin(), per_key.end()) - per_key.begin());
         std::cout << fmt::format("layer {} head {}: at the {} scored positions, mean weight {:.3f} on "
-                                 "the answer's position, {:.3f} on the one before it\n", l + 1, h + 1,
-                                 lookups.size(), on_source / n, before / n);
+                                 "the answer's position, {:.3f} on the one before it; most: {:.3f} on "
+                                 "position {} ('{}')\n", l + 1, h + 1, lookups.size(), on_source / n,
+                                 before / n, per_key[top] / n, top + 1, labels[top]);
         panels.push_back(std::move(p));
       }
     }
@@ -147,12 +153,11 @@ std::function<int()> add_heatmap_command(CLI::App& app) {
       "Render attention weights as a PNG heatmap, one panel per head, tokens on both axes (rows:\n"
       "queries, columns: keys). --demo: the chapter's mechanisms on \"Your journey starts with\n"
       "one step\" (simplified, self-attention v2, causal, both heads of MultiHeadAttention).\n"
-      "--checkpoint: every head of a trained model on a recall example; the cells holding the\n"
-      "value of each queried key are outlined in red, and the weight each head puts there is\n"
-      "printed.");
+      "--checkpoint: every head of a trained model on an example of its task; the cells holding\n"
+      "each answer are outlined in red, and the weight each head puts there is printed.");
   h->add_flag("--demo", a->demo, "The chapter's example sentence");
   h->add_option("--checkpoint", a->checkpoint, "Checkpoint written by `attn train`");
-  h->add_option("--prompt", a->prompt, "Sequence to show (default: a random recall example)");
+  h->add_option("--prompt", a->prompt, "Sequence to show (default: a random example of the checkpoint's task)");
   h->add_option("--seed", a->seed, "Seed of the random example")->capture_default_str();
   h->add_option("--layer", a->layer, "Only this layer (1-based; 0: all)")->capture_default_str();
   h->add_option("--out", a->out, "Output PNG file")->capture_default_str();

@@ -1,4 +1,4 @@
-// `attn train`: trains the tiny GPT on copying or associative recall with a progress bar, periodic held-out
+// `attn train`: trains the tiny GPT on lookup, copying or associative recall with a progress bar, periodic held-out
 // evaluation and atomic checkpoints; --resume continues a checkpoint exactly.
 #include <algorithm>
 #include <atomic>
@@ -14,6 +14,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "attn/error.hpp"
 #include "attn/gpt_train.hpp"
 #include "attn/safetensors.hpp"
 #include "gpt_commands.hpp"
@@ -48,7 +49,7 @@ extern "C" void on_sigint(int) { g_interrupted = 1; }
 struct TrainArgs {
   gpt::TrainConfig config;
   std::string attention = "softmax";
-  std::string task = "copy";
+  std::string task = "lookup";
   std::string checkpoint = "gpt.safetensors";
   std::string resume;
   int64_t eval_every = 100;
@@ -73,20 +74,49 @@ int run_train(TrainArgs& a) {
   keep_freed_memory();
   gpt::TrainConfig cfg = a.config;
   cfg.model.attention = a.attention == "uniform" ? gpt::AttentionKind::kUniform : gpt::AttentionKind::kSoftmax;
-  cfg.task.kind = a.task == "recall" ? gpt::TaskKind::kRecall : gpt::TaskKind::kCopy;
+  cfg.task.kind = gpt::RecallTask::kind_from_name(a.task);
   if (!a.resume.empty()) {
     // The checkpoint's configuration, with the options given on this command line on top (a
     // different model shape is then refused by Trainer::resume).
     const gpt::TrainConfig saved = gpt::TrainConfig::from_metadata(load_safetensors(a.resume).metadata, a.resume);
     gpt::TrainConfig merged = saved;
+    // Every option given on the command line overrides the checkpoint's value; a task or model
+    // shape that then differs is refused by Trainer::resume (naming both).
     const CLI::App* app = a.app;
-    if (was_given(app, "--steps")) merged.steps = cfg.steps;
-    if (was_given(app, "--lr")) merged.lr = cfg.lr;
-    if (was_given(app, "--d-model")) merged.model.d_model = cfg.model.d_model;
-    if (was_given(app, "--layers")) merged.model.n_layers = cfg.model.n_layers;
-    if (was_given(app, "--heads")) merged.model.n_heads = cfg.model.n_heads;
-    if (was_given(app, "--attention")) merged.model.attention = cfg.model.attention;
-    if (was_given(app, "--eval-batches")) merged.eval_batches = cfg.eval_batches;
+    auto take = [&](const char* flag, auto member) {
+      if (was_given(app, flag)) merged.*member = cfg.*member;
+    };
+    auto take_model = [&](const char* flag, auto member) {
+      if (was_given(app, flag)) merged.model.*member = cfg.model.*member;
+    };
+    auto take_task = [&](const char* flag, auto member) {
+      if (was_given(app, flag)) merged.task.*member = cfg.task.*member;
+    };
+    take("--steps", &gpt::TrainConfig::steps);
+    take("--batch", &gpt::TrainConfig::batch_size);
+    take("--lr", &gpt::TrainConfig::lr);
+    take("--min-lr", &gpt::TrainConfig::min_lr);
+    take("--warmup", &gpt::TrainConfig::warmup_steps);
+    take("--weight-decay", &gpt::TrainConfig::weight_decay);
+    take("--grad-clip", &gpt::TrainConfig::grad_clip);
+    take("--eval-batches", &gpt::TrainConfig::eval_batches);
+    take("--seed", &gpt::TrainConfig::seed);
+    take_model("--d-model", &gpt::GPTConfig::d_model);
+    take_model("--layers", &gpt::GPTConfig::n_layers);
+    take_model("--heads", &gpt::GPTConfig::n_heads);
+    take_model("--dropout", &gpt::GPTConfig::dropout);
+    take_model("--tie-weights", &gpt::GPTConfig::tie_weights);
+    take_model("--attention", &gpt::GPTConfig::attention);
+    take_task("--task", &gpt::RecallTask::kind);
+    take_task("--copy-length", &gpt::RecallTask::copy_length);
+    take_task("--pairs", &gpt::RecallTask::num_pairs);
+    take_task("--queries", &gpt::RecallTask::num_queries);
+    take_task("--keys", &gpt::RecallTask::num_keys);
+    take_task("--values", &gpt::RecallTask::num_values);
+    if (!(merged.task == saved.task)) {  // before the sizes are checked against the model's
+      throw ValueError(fmt::format("{}: the checkpoint was trained on {}, this run asks for {}", a.resume,
+                                   saved.task.describe(), merged.task.describe()));
+    }
     cfg = merged;
     if (!was_given(app, "--checkpoint")) a.checkpoint = a.resume;
   } else {
@@ -168,10 +198,12 @@ std::function<int()> add_train_command(CLI::App& app) {
       "train",
       "Train a tiny GPT (token + position embeddings, pre-norm blocks of causal multi-head\n"
       "attention and a GELU MLP, AdamW with weight decay, gradient clipping, warm-up and cosine\n"
-      "decay) on a task only attention solves. copy (default): \"x1 ... xn | x1 ... xn\", each\n"
-      "copied token is the one n positions back; recall: \"k1 v1 k2 v2 ... | q1 a1 ...\", each\n"
-      "answer is the value given earlier to the queried key. The tokens are random per sequence,\n"
-      "so they can only be read off the context. Prints step, loss, perplexity, tokens/s and ETA,\n"
+      "decay) on a task only attention solves. lookup (default): \"x1 ... xn | P1 y1 P2 y2 ...\",\n"
+      "the n letters in random order, then positions named by upper-case letters ('A' is the\n"
+      "first), each answered by the letter there; copy: \"x1 ... xn | x1 ... xn\", each copied\n"
+      "token is the one n positions back; recall: \"k1 v1 k2 v2 ... | q1 a1 ...\", each answer is\n"
+      "the value given earlier to the queried key. The tokens are random per sequence, so they\n"
+      "can only be read off the context. Prints step, loss, perplexity, tokens/s and ETA,\n"
       "evaluates on held-out sequences (loss, perplexity, accuracy) and writes a safetensors\n"
       "checkpoint (atomically) at every evaluation.");
   a->app = t;
@@ -193,13 +225,14 @@ std::function<int()> add_train_command(CLI::App& app) {
   t->add_option("--attention", a->attention,
                 "softmax, or uniform: the ablation averaging all previous positions equally")
       ->capture_default_str()->check(CLI::IsMember({"softmax", "uniform"}));
-  t->add_option("--task", a->task, "copy: repeat n random tokens after '|'; recall: key-value pairs, "
-                "then queried keys")->capture_default_str()->check(CLI::IsMember({"copy", "recall"}));
-  t->add_option("--copy-length", c.task.copy_length, "copy: tokens to copy (context = 2n)")
+  t->add_option("--task", a->task, "lookup: n shuffled letters, then queried positions; copy: repeat n "
+                "random tokens after '|'; recall: key-value pairs, then queried keys")
+      ->capture_default_str()->check(CLI::IsMember({"lookup", "copy", "recall"}));
+  t->add_option("--copy-length", c.task.copy_length, "copy, lookup: tokens before the separator")
       ->capture_default_str()->check(CLI::PositiveNumber);
   t->add_option("--pairs", c.task.num_pairs, "recall: key-value pairs per sequence")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  t->add_option("--queries", c.task.num_queries, "recall: queries per sequence")->capture_default_str()
+  t->add_option("--queries", c.task.num_queries, "recall, lookup: queries per sequence")->capture_default_str()
       ->check(CLI::PositiveNumber);
   t->add_option("--keys", c.task.num_keys, "Key vocabulary (<= 26)")->capture_default_str()->check(CLI::Range(1, 26));
   t->add_option("--values", c.task.num_values, "Value vocabulary (<= 26)")->capture_default_str()->check(CLI::Range(1, 26));

@@ -95,8 +95,8 @@ stage_asan() {
   rm -f build-asan/ctest-output.txt build-asan/soak.txt
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
-  log "ASan+UBSan: the whole CTest suite"
-  run_ctest build-asan
+  log "ASan+UBSan: the CTest suite but the two label-slow training runs"
+  run_ctest build-asan -LE slow  # the two full default training runs: covered by test.sh
   asan_ran=$ran
   [ "$failed_tests" -ne 0 ] && fail "$failed_tests of $ran tests failed under ASan+UBSan"
   asan_soak="skipped"

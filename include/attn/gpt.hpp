@@ -162,9 +162,19 @@ Tensor masked_cross_entropy_backward(const TensorView& logits, std::span<const i
 
 // ---- the tasks ---------------------------------------------------------------------------------------
 
-// Two synthetic tasks that only attention can solve, generated on the fly from a seed.
+// Synthetic tasks whose answers can only be read off the context, generated on the fly from a
+// seed (README "Training a tiny GPT": which of them a uniform average instead of attention can
+// still learn).
 //
-// kCopy (the default): "x1 x2 ... xn | x1 x2 ... xn": n random keys (lower-case letters, with
+// kLookup (the default): "x1 x2 ... xn | P1 y1 P2 y2 ...": the n letters in a random order (a
+// permutation: every letter once), a separator, then distinct positions named by upper-case
+// letters ('A' is position 1) each followed by the letter found there; the answers y_i are
+// scored. The answer is the token at the position the query names: one hop from the query's
+// content to a key's position. Every sequence holds the same letters, so without knowing which
+// letter sits where a model can only guess among those not yet answered (8.3 % for 16 letters
+// and 8 queries, chance 6.25 %).
+//
+// kCopy: "x1 x2 ... xn | x1 x2 ... xn": n random keys (lower-case letters, with
 // repetition), a separator, then the same n again; the n copied tokens are scored. The token to
 // predict at position n + i is the one at position i: a head must look back exactly n positions.
 //
@@ -175,31 +185,41 @@ Tensor masked_cross_entropy_backward(const TensorView& logits, std::span<const i
 // models learn much more slowly.
 //
 // Values and copied tokens are random per sequence, so they can only be read off the context.
-enum class TaskKind { kCopy, kRecall };
+enum class TaskKind { kLookup, kCopy, kRecall };
 
 struct RecallTask {
-  TaskKind kind = TaskKind::kCopy;
+  TaskKind kind = TaskKind::kLookup;
   int64_t num_keys = 16, num_values = 16;
-  int64_t num_pairs = 8, num_queries = 8;  // kRecall
-  int64_t copy_length = 16;                // kCopy
+  int64_t num_pairs = 8;                   // kRecall
+  int64_t num_queries = 8;                 // kRecall, kLookup
+  int64_t copy_length = 16;                // kCopy, kLookup: letters before the separator
 
-  void validate() const;  // ValueError: sizes, at most 26 keys and values, num_pairs <= num_keys
+  // ValueError: sizes, at most 26 keys and values, num_pairs <= num_keys; kLookup:
+  // num_queries <= copy_length <= min(num_keys, num_values).
+  void validate() const;
   int64_t vocab_size() const { return num_keys + num_values + 1; }
   int64_t separator() const { return num_keys + num_values; }
   int64_t sequence_length() const {
-    return kind == TaskKind::kCopy ? 2 * copy_length + 1 : 2 * num_pairs + 1 + 2 * num_queries;
+    switch (kind) {
+      case TaskKind::kCopy: return 2 * copy_length + 1;
+      case TaskKind::kLookup: return copy_length + 1 + 2 * num_queries;
+      case TaskKind::kRecall: break;
+    }
+    return 2 * num_pairs + 1 + 2 * num_queries;
   }
   int64_t context_length() const { return sequence_length() - 1; }  // model inputs per sequence
-  const char* name() const { return kind == TaskKind::kCopy ? "copy" : "recall"; }
+  const char* name() const;
+  static TaskKind kind_from_name(std::string_view name);  // ValueError for another name
   std::string describe() const;
 
-  // One character per token: 'a'.. keys, 'A'.. values, '|' separator.
+  // One character per token: 'a'.. keys, 'A'.. values (kLookup: positions), '|' separator.
   char token_char(int64_t id) const;
   std::string decode(std::span<const int64_t> ids) const;
   // Spaces are skipped; any other character outside the vocabulary: ValueError naming it.
   std::vector<int64_t> encode(std::string_view text) const;
   // For a sequence of this task: (position, source) for each position whose next token is found
-  // at `source` (copy: the token n back; recall: the value after the queried key).
+  // at `source` (copy: the token n back; recall: the value after the queried key; lookup: the
+  // position the query names).
   std::vector<std::pair<int64_t, int64_t>> sources(std::span<const int64_t> ids) const;
 
   struct Batch {

@@ -1,4 +1,4 @@
-// Training the tiny GPT on the recall task (`attn train`), and checkpoints: one safetensors file
+// Training the tiny GPT on its tasks (`attn train`), and checkpoints: one safetensors file
 // with the model's state_dict under PyTorch-style names ("tok_emb.weight",
 // "blocks.0.att.W_query.weight", ...), AdamW's moments under "optimizer.exp_avg.<name>" and
 // "optimizer.exp_avg_sq.<name>", and the model, task and training configuration plus the step in

@@ -1,4 +1,4 @@
-// The associative-recall task, generated on the fly from a seed, and the configurations' round
+// The tasks (lookup, copy, associative recall), generated on the fly from a seed, and the configurations' round
 // trip through safetensors metadata (checkpoints carry the shape of the model they hold).
 #include <algorithm>
 #include <charconv>
@@ -43,6 +43,15 @@ int64_t meta_int(const std::map<std::string, std::string>& meta, const std::stri
 
 void require_positive(int64_t v, const char* what, const char* field) {
   if (v <= 0) throw ValueError(fmt::format("{}: {} must be positive, got {}", what, field, v));
+}
+
+// The first k entries of a partial Fisher-Yates shuffle of 0 .. v.size() - 1: k distinct values.
+void partial_shuffle(Generator& gen, std::vector<int64_t>& v, int64_t k) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
+  for (int64_t i = 0; i < k; ++i) {
+    std::swap(v[static_cast<size_t>(i)], v[static_cast<size_t>(i + below(gen, n - i))]);
+  }
 }
 
 }  // namespace
@@ -130,6 +139,33 @@ void RecallTask::validate() const {
     throw ValueError(fmt::format("RecallTask: num_pairs ({}) must not exceed num_keys ({}): keys are distinct",
                                  num_pairs, num_keys));
   }
+  if (kind == TaskKind::kLookup) {
+    if (copy_length > num_keys || copy_length > num_values) {
+      throw ValueError(fmt::format("RecallTask: lookup needs copy_length ({}) <= num_keys ({}) (distinct "
+                                   "letters) and <= num_values ({}) (one position letter each)",
+                                   copy_length, num_keys, num_values));
+    }
+    if (num_queries > copy_length) {
+      throw ValueError(fmt::format("RecallTask: lookup needs num_queries ({}) <= copy_length ({}): the "
+                                   "queried positions are distinct", num_queries, copy_length));
+    }
+  }
+}
+
+const char* RecallTask::name() const {
+  switch (kind) {
+    case TaskKind::kLookup: return "lookup";
+    case TaskKind::kCopy: return "copy";
+    case TaskKind::kRecall: break;
+  }
+  return "recall";
+}
+
+TaskKind RecallTask::kind_from_name(std::string_view name) {
+  if (name == "lookup") return TaskKind::kLookup;
+  if (name == "copy") return TaskKind::kCopy;
+  if (name == "recall") return TaskKind::kRecall;
+  throw ValueError(fmt::format("task must be 'lookup', 'copy' or 'recall', got '{}'", name));
 }
 
 char RecallTask::token_char(int64_t id) const {
@@ -189,6 +225,27 @@ RecallTask::Batch RecallTask::sample(int64_t B, uint64_t seed, uint64_t stream, 
     }
     return batch;
   }
+  if (kind == TaskKind::kLookup) {
+    const int64_t n = copy_length;
+    std::vector<int64_t> letters(static_cast<size_t>(num_keys)), where(static_cast<size_t>(n));
+    for (int64_t b = 0; b < B; ++b) {
+      partial_shuffle(gen, letters, n);  // n distinct letters
+      partial_shuffle(gen, where, num_queries);  // num_queries distinct positions
+      std::copy_n(letters.begin(), n, seq.begin());
+      int64_t t = n;
+      seq[static_cast<size_t>(t++)] = separator();
+      int64_t* targets = batch.targets.data() + b * T;
+      for (int64_t q = 0; q < num_queries; ++q) {
+        const int64_t p = where[static_cast<size_t>(q)];
+        seq[static_cast<size_t>(t)] = num_keys + p;
+        seq[static_cast<size_t>(t + 1)] = letters[static_cast<size_t>(p)];
+        targets[t] = letters[static_cast<size_t>(p)];  // predicted at the query's position
+        t += 2;
+      }
+      std::copy_n(seq.begin(), T, batch.inputs.begin() + b * T);
+    }
+    return batch;
+  }
   for (int64_t b = 0; b < B; ++b) {
     // num_pairs distinct keys: the first entries of a partial Fisher-Yates shuffle.
     for (int64_t k = 0; k < num_keys; ++k) keys[static_cast<size_t>(k)] = k;
@@ -225,6 +282,13 @@ std::vector<std::pair<int64_t, int64_t>> RecallTask::sources(std::span<const int
     for (int64_t t = sep; t < T && t - sep < sep; ++t) out.emplace_back(t, t - sep);
     return out;
   }
+  if (kind == TaskKind::kLookup) {
+    for (int64_t t = sep + 1; t < T; ++t) {
+      const int64_t p = ids[static_cast<size_t>(t)] - num_keys;  // the position a query names
+      if (p >= 0 && p < sep && ids[static_cast<size_t>(t)] != separator()) out.emplace_back(t, p);
+    }
+    return out;
+  }
   for (int64_t t = sep + 1; t < T; ++t) {
     if (ids[static_cast<size_t>(t)] >= num_keys) continue;
     for (int64_t p = sep - 2; p >= 0; --p) {
@@ -239,6 +303,10 @@ std::vector<std::pair<int64_t, int64_t>> RecallTask::sources(std::span<const int
 
 std::string RecallTask::describe() const {
   if (kind == TaskKind::kCopy) return fmt::format("copy {} of {} tokens", copy_length, num_keys);
+  if (kind == TaskKind::kLookup) {
+    return fmt::format("lookup: {} distinct of {} letters, {} queried positions", copy_length, num_keys,
+                       num_queries);
+  }
   return fmt::format("recall with {} pairs and {} queries ({} keys, {} values)", num_pairs, num_queries,
                      num_keys, num_values);
 }
@@ -256,10 +324,12 @@ RecallTask RecallTask::from_metadata(const std::map<std::string, std::string>& m
                                      const std::string& source) {
   RecallTask t;
   auto kind = meta.find("task");
-  if (kind == meta.end() || (kind->second != "copy" && kind->second != "recall")) {
-    throw FormatError(fmt::format("{}: metadata 'task' must be 'copy' or 'recall'", source));
+  if (kind == meta.end()) throw FormatError(fmt::format("{}: metadata lacks 'task'", source));
+  try {
+    t.kind = kind_from_name(kind->second);
+  } catch (const ValueError& e) {
+    throw FormatError(fmt::format("{}: metadata: {}", source, e.what()));
   }
-  t.kind = kind->second == "copy" ? TaskKind::kCopy : TaskKind::kRecall;
   t.copy_length = meta_int(meta, "task.copy_length", source);
   t.num_keys = meta_int(meta, "task.num_keys", source);
   t.num_values = meta_int(meta, "task.num_values", source);

@@ -33,6 +33,7 @@ class Generate : public OneThread {};
 
 gpt::TrainConfig config() {
   gpt::TrainConfig c;
+  c.task.kind = gpt::TaskKind::kCopy;
   c.task.copy_length = 6;
   c.model.vocab_size = c.task.vocab_size();
   c.model.context_length = c.task.context_length();
@@ -161,6 +162,26 @@ TEST_F(Checkpoint, BadFilesThrowClearErrors) {
   EXPECT_EQ(t.step(), 0);
   std::filesystem::remove(path);
   std::filesystem::remove(bad);
+}
+
+TEST_F(Checkpoint, ResumeRefusesAnotherTask) {
+  const std::string path = temp_path("gpt-task");
+  gpt::Trainer copy(config());
+  copy.save_checkpoint(path);
+  gpt::TrainConfig other = config();
+  other.task.kind = gpt::TaskKind::kLookup;  // same vocabulary and context, another task
+  other.task.num_queries = 3;
+  ASSERT_EQ(other.task.context_length(), config().task.context_length());
+  gpt::Trainer lookup(other);
+  try {
+    lookup.resume(path);
+    ADD_FAILURE() << "resume accepted a checkpoint of another task";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("copy 6"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("lookup"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(lookup.step(), 0);
+  std::filesystem::remove(path);
 }
 
 TEST_F(Generate, BadPromptsThrowClearErrors) {

@@ -323,8 +323,59 @@ TEST(Perplexity, BackwardMatchesFiniteDifferences) {
 
 // ---- the task and training ------------------------------------------------------------------------
 
+TEST(RecallTask, DefaultIsLookupWithEveryLetterOnceAndDistinctQueries) {
+  gpt::RecallTask task;
+  ASSERT_EQ(task.kind, gpt::TaskKind::kLookup);
+  const int64_t n = task.copy_length, Q = task.num_queries;
+  const auto b = task.sample(64, 3, 0, 0);
+  ASSERT_EQ(b.T, task.context_length());
+  ASSERT_EQ(b.T, n + 2 * Q);
+  for (int64_t s = 0; s < b.B; ++s) {
+    const int64_t* in = b.inputs.data() + s * b.T;
+    const int64_t* tg = b.targets.data() + s * b.T;
+    // Every letter exactly once, so the letters alone say nothing about any answer.
+    std::vector<int64_t> letters(in, in + n);
+    std::sort(letters.begin(), letters.end());
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(letters[static_cast<size_t>(i)], i);
+    EXPECT_EQ(in[n], task.separator());
+    std::vector<int64_t> asked;
+    for (int64_t t = 0; t < b.T; ++t) {
+      const bool query = t > n && (t - n - 1) % 2 == 0;
+      if (!query) {
+        EXPECT_EQ(tg[t], -1) << "t " << t;
+        continue;
+      }
+      const int64_t p = in[t] - task.num_keys;  // 'A' + p names position p
+      ASSERT_GE(p, 0);
+      ASSERT_LT(p, n);
+      asked.push_back(p);
+      EXPECT_EQ(tg[t], in[p]);
+      if (t + 1 < b.T) EXPECT_EQ(in[t + 1], in[p]);  // the answer follows its query
+    }
+    std::sort(asked.begin(), asked.end());
+    EXPECT_EQ(std::adjacent_find(asked.begin(), asked.end()), asked.end()) << "repeated query";
+    EXPECT_EQ(static_cast<int64_t>(asked.size()), Q);
+  }
+  // sources(): each query row points at the position it names.
+  const std::vector<int64_t> ids(b.inputs.begin(), b.inputs.begin() + b.T);
+  const auto src = task.sources(ids);
+  ASSERT_EQ(static_cast<int64_t>(src.size()), Q);
+  for (const auto& [t, p] : src) EXPECT_EQ(ids[static_cast<size_t>(t)], task.num_keys + p);
+  EXPECT_EQ(task.decode(task.encode("cab|Bc")), "cab|Bc");
+  // The queries are distinct positions and the letters distinct: sizes that cannot be are refused.
+  gpt::RecallTask bad = task;
+  bad.num_queries = n + 1;
+  EXPECT_THROW(bad.validate(), ValueError);
+  bad = task;
+  bad.copy_length = task.num_keys + 1;
+  EXPECT_THROW(bad.validate(), ValueError);
+  EXPECT_EQ(gpt::RecallTask::kind_from_name("lookup"), gpt::TaskKind::kLookup);
+  EXPECT_THROW(gpt::RecallTask::kind_from_name("sort"), ValueError);
+}
+
 TEST(RecallTask, CopySequencesRepeatAfterTheSeparator) {
   gpt::RecallTask task;
+  task.kind = gpt::TaskKind::kCopy;
   task.copy_length = 5;
   const auto b = task.sample(3, 2, 0, 0);
   ASSERT_EQ(b.T, 10);
@@ -371,6 +422,7 @@ TEST(RecallTask, SequencesHaveTheAnnouncedStructure) {
 
 gpt::TrainConfig small_train() {
   gpt::TrainConfig c;
+  c.task.kind = gpt::TaskKind::kCopy;
   c.task.copy_length = 8;
   c.model.vocab_size = c.task.vocab_size();
   c.model.context_length = c.task.context_length();
