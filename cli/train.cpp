@@ -198,12 +198,13 @@ std::function<int()> add_train_command(CLI::App& app) {
       "train",
       "Train a tiny GPT (token + position embeddings, pre-norm blocks of causal multi-head\n"
       "attention and a GELU MLP, AdamW with weight decay, gradient clipping, warm-up and cosine\n"
-      "decay) on a task only attention solves. lookup (default): \"x1 ... xn | P1 y1 P2 y2 ...\",\n"
-      "the n letters in random order, then positions named by upper-case letters ('A' is the\n"
-      "first), each answered by the letter there; copy: \"x1 ... xn | x1 ... xn\", each copied\n"
-      "token is the one n positions back; recall: \"k1 v1 k2 v2 ... | q1 a1 ...\", each answer is\n"
-      "the value given earlier to the queried key. The tokens are random per sequence, so they\n"
-      "can only be read off the context. Prints step, loss, perplexity, tokens/s and ETA,\n"
+      "decay) on a task whose answers can only be read off the context.\n"
+      "lookup (default): \"x1 ... xn | P1 y1 P2 y2 ...\", the n letters in random order, then\n"
+      "positions named by upper-case letters ('A' is the first), each answered by the letter\n"
+      "there (the ablation --attention uniform stays near chance on it). copy: \"x1 ... xn |\n"
+      "x1 ... xn\", each copied token is the one n positions back. recall: \"k1 v1 k2 v2 ... |\n"
+      "q1 a1 ...\", each answer is the value given earlier to the queried key. Prints step, loss,\n"
+      "perplexity, tokens/s and ETA,\n"
       "evaluates on held-out sequences (loss, perplexity, accuracy) and writes a safetensors\n"
       "checkpoint (atomically) at every evaluation.");
   a->app = t;
