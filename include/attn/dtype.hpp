@@ -1,0 +1,84 @@
+// Element types of attn::Tensor, named as PyTorch names them (torch.float32, torch.bfloat16, ...).
+//
+// bfloat16 and float16 are stored as their 16 bits. Conversion from float32 rounds to nearest,
+// ties to even, and keeps NaN a NaN (a quiet NaN of the same sign; PyTorch's c10::BFloat16 and
+// c10::Half do the same); overflow gives +-inf. Conversion to float32 is exact.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+namespace attn {
+
+enum class DType : uint8_t {
+  kFloat32,
+  kBFloat16,
+  kFloat16,
+  kFloat64,
+  kInt8,   // quantised KV caches
+  kInt32,  // index tensors (cumulative sequence lengths, token ids)
+};
+
+// Bytes per element.
+constexpr int64_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat16: return 2;
+    case DType::kFloat64: return 8;
+    case DType::kInt8: return 1;
+    case DType::kInt32: return 4;
+  }
+  return 0;
+}
+
+// "float32", "bfloat16", "float16", "float64", "int8", "int32" (torch.<name>).
+constexpr std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+    case DType::kFloat64: return "float64";
+    case DType::kInt8: return "int8";
+    case DType::kInt32: return "int32";
+  }
+  return "?";
+}
+
+constexpr bool is_floating(DType t) { return t != DType::kInt8 && t != DType::kInt32; }
+
+// The 16 bits of a bfloat16 value: float32's sign, exponent and top 7 mantissa bits.
+struct bfloat16 {
+  uint16_t bits = 0;
+};
+// The 16 bits of an IEEE 754 binary16 value: 5 exponent bits, 10 mantissa bits.
+struct float16 {
+  uint16_t bits = 0;
+};
+
+inline float bf16_to_float(bfloat16 h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h.bits) << 16);
+}
+
+inline bfloat16 float_to_bf16(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x0040u)};  // quiet NaN
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);  // nearest, ties to even
+  return {static_cast<uint16_t>(rounded >> 16)};
+}
+
+float half_to_float(float16 h);  // exact
+float16 float_to_half(float f);  // nearest-even, NaN kept, overflow to inf, subnormals kept
+
+// The C++ type stored for each dtype, for TensorView::data_as<T>().
+template <typename T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::kFloat32; }
+template <> constexpr DType dtype_of<bfloat16>() { return DType::kBFloat16; }
+template <> constexpr DType dtype_of<float16>() { return DType::kFloat16; }
+template <> constexpr DType dtype_of<double>() { return DType::kFloat64; }
+template <> constexpr DType dtype_of<int8_t>() { return DType::kInt8; }
+template <> constexpr DType dtype_of<int32_t>() { return DType::kInt32; }
+
+}  // namespace attn
