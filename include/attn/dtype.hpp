@@ -1,8 +1,9 @@
 // Element types of attn::Tensor, named as PyTorch names them (torch.float32, torch.bfloat16, ...).
 //
 // bfloat16 and float16 are stored as their 16 bits. Conversion from float32 rounds to nearest,
-// ties to even, and keeps NaN a NaN (a quiet NaN of the same sign; PyTorch's c10::BFloat16 and
-// c10::Half do the same); overflow gives +-inf. Conversion to float32 is exact.
+// ties to even, overflow gives +-inf, and a NaN stays a NaN with c10's bits (bfloat16: 0x7FC0;
+// float16: 0x7E00 with the sign kept), so a round trip matches PyTorch bit for bit. Conversion
+// to float32 is exact.
 #pragma once
 
 #include <bit>
@@ -64,7 +65,7 @@ inline float bf16_to_float(bfloat16 h) {
 
 inline bfloat16 float_to_bf16(float f) {
   const uint32_t u = std::bit_cast<uint32_t>(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x0040u)};  // quiet NaN
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fc0};  // c10::BFloat16's NaN
   const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);  // nearest, ties to even
   return {static_cast<uint16_t>(rounded >> 16)};
 }

@@ -31,6 +31,13 @@ class IndexError : public Error {
   using Error::Error;
 };
 
+// A tensor's dtype is not one the operation takes (an integer query, mixed q/k/v dtypes, a
+// bfloat16 tensor handed to a float32-only op). Python raises TypeError for it.
+class DTypeError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A file or serialized blob is malformed.
 class FormatError : public Error {
  public:

@@ -3,7 +3,7 @@
 // Reproduces torch/_tensor_str.py: fixed, integer ("2.") or scientific mode chosen from the
 // non-zero finite values, common width, 80-column wrapping, summarisation past `threshold`
 // elements with `edgeitems` at each end, and the "tensor(" prefix indent. Values are formatted
-// as the float64 of each float32, as Python does.
+// as the float64 of each element, as Python does.
 #pragma once
 
 #include <optional>
@@ -22,7 +22,8 @@ struct PrintOptions {
   std::optional<bool> sci_mode;  // nullopt: chosen automatically
 };
 
-// What print(t) shows for a float32 tensor, e.g. "tensor([0.9544, 1.4950])". `suffix`, when not
+// What print(t) shows, e.g. "tensor([0.9544, 1.4950])", or "tensor([0.1001, 2.0000],
+// dtype=torch.bfloat16)" for a dtype other than float32. `suffix`, when not
 // empty, is appended like PyTorch's keyword suffixes (e.g. "grad_fn=<MmBackward0>").
 std::string format_tensor(const TensorView& t, const PrintOptions& options = {},
                           const std::string& suffix = "");

@@ -6,10 +6,11 @@
 // "__metadata__": {"key": "value"}}, then the raw little-endian data; offsets are relative to
 // the end of the header, and the tensors tile the data exactly (no gaps, no overlap).
 //
-// attn tensors are float32 with at most 4 dimensions: F32 is read as is; F64, F16 and BF16 are
-// converted to float32 on reading; other dtypes, more than 4 dimensions, and any malformed
-// header or data throw FormatError "<file>: <problem>" (the parser accepts arbitrary bytes
-// without crashing: tests/fuzz/fuzz_safetensors.cpp). Files are always written as F32.
+// Tensors keep their dtype both ways: F32, BF16, F16, F64, I8 and I32 are read into tensors of
+// that dtype (DType::kFloat32, kBFloat16, ...) and written with it. Other dtypes, more than 4
+// dimensions, and any malformed header or data throw FormatError "<file>: <problem>" (the parser
+// accepts arbitrary bytes without crashing: tests/fuzz/fuzz_safetensors.cpp). Loading into a
+// module converts to the module's float32, as load_state_dict's copy_ does.
 #pragma once
 
 #include <map>
@@ -50,7 +51,7 @@ Safetensors load_safetensors(const std::string& path);
 
 using NamedViews = std::vector<std::pair<std::string, TensorView>>;
 
-// The bytes of a safetensors file holding `tensors` (F32, in the given order; names must be
+// The bytes of a safetensors file holding `tensors` (each in its dtype, in the given order; names must be
 // unique and not "__metadata__", else ValueError). Views of any strides are written row-major.
 std::string serialize_safetensors(const NamedViews& tensors,
                                   const std::map<std::string, std::string>& metadata = {});

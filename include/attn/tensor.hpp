@@ -1,4 +1,8 @@
-// Tensors: an owning float32 buffer (`Tensor`) and cheap non-owning strided views (`TensorView`).
+// Tensors: an owning buffer (`Tensor`) and cheap non-owning strided views (`TensorView`), each
+// with an element type (`DType`, attn/dtype.hpp): float32 by default; bfloat16, float16,
+// float64, int8 and int32 for low-precision attention, float64 truth, quantised caches and index
+// tensors. Most of the op library computes in float32 and reads elements through `data()`, which
+// throws DTypeError for any other dtype; `to(dtype)` converts (PyTorch's `x.to(dtype)`).
 //
 // Layout follows PyTorch: up to 4 dimensions, sizes and strides counted in elements, row-major
 // ("contiguous") when freshly allocated. A view never owns memory; it aliases the tensor it came
@@ -18,6 +22,8 @@
 #include <span>
 #include <string>
 #include <vector>
+
+#include "attn/dtype.hpp"
 
 namespace attn {
 
@@ -48,6 +54,10 @@ class Shape {
 
 class Tensor;
 
+namespace detail {
+[[noreturn]] void throw_dtype_mismatch(DType expected, DType actual);
+}  // namespace detail
+
 class TensorView {
  public:
   TensorView() = default;
@@ -55,8 +65,25 @@ class TensorView {
   // must have the rank of the shape.
   TensorView(float* data, Shape shape);                  // row-major strides
   TensorView(float* data, Shape shape, Shape strides);
+  // A view of any dtype over raw memory (`data` points at element 0).
+  TensorView(void* data, DType dtype, Shape shape);
+  TensorView(void* data, DType dtype, Shape shape, Shape strides);
 
-  float* data() const { return data_; }
+  // float32 elements; DTypeError for any other dtype (every float32-only kernel reads through it).
+  float* data() const {
+    if (dtype_ != DType::kFloat32) [[unlikely]] detail::throw_dtype_mismatch(DType::kFloat32, dtype_);
+    return static_cast<float*>(data_);
+  }
+  // Elements of type T (float, bfloat16, float16, double, int8_t, int32_t); DTypeError unless T is
+  // this tensor's dtype.
+  template <typename T>
+  T* data_as() const {
+    if (dtype_ != dtype_of<T>()) [[unlikely]] detail::throw_dtype_mismatch(dtype_of<T>(), dtype_);
+    return static_cast<T*>(data_);
+  }
+  void* raw_data() const { return data_; }
+  DType dtype() const { return dtype_; }
+  int64_t element_size() const { return dtype_size(dtype_); }
   const Shape& shape() const { return shape_; }
   const Shape& strides() const { return strides_; }
   int dim() const { return shape_.ndim(); }
@@ -66,9 +93,10 @@ class TensorView {
   bool defined() const { return data_ != nullptr; }
   bool is_contiguous() const;
 
-  // Bounds-checked element access (for tests, examples and the demo, not for kernels).
+  // Bounds-checked element access (for tests, examples and the demo, not for kernels). at() is
+  // float32 only; item() converts any dtype's single element to float (exact but for float64).
   float& at(std::initializer_list<int64_t> index) const;
-  float item() const;  // the single element of a one-element tensor
+  float item() const;
 
   // Views (no copy). Each throws ShapeError/IndexError naming the bad argument.
   TensorView view(Shape shape) const;  // needs contiguous memory; one extent may be -1
@@ -80,16 +108,24 @@ class TensorView {
   TensorView squeeze(int dim) const;
   TensorView expand(Shape shape) const;  // broadcast size-1 dims with stride 0
 
-  Tensor contiguous() const;  // always an owning row-major copy
-  std::vector<float> to_vector() const;  // elements in logical (row-major) order
+  Tensor contiguous() const;  // always an owning row-major copy, same dtype
+  // An owning row-major copy in `dtype` (torch's x.to(dtype)): floats round to nearest even with
+  // NaN kept and overflow to +-inf (float64 -> 16-bit goes through float32, as c10 does);
+  // to an integer dtype, values truncate toward zero and a NaN, Inf or out-of-range value throws
+  // ValueError (PyTorch leaves that undefined).
+  Tensor to(DType dtype) const;
+  // Elements in logical (row-major) order, converted to float / double.
+  std::vector<float> to_vector() const;
+  std::vector<double> to_double_vector() const;
 
  protected:
-  float* data_ = nullptr;
+  void* data_ = nullptr;
+  DType dtype_ = DType::kFloat32;
   Shape shape_;
   Shape strides_;
 };
 
-// Owning, 64-byte aligned, row-major float32 tensor. Copying copies the data (value semantics);
+// Owning, 64-byte aligned, row-major tensor (float32 unless a dtype is given). Copying copies the data (value semantics);
 // moving is cheap. Views taken from a Tensor alias its storage.
 class Tensor : public TensorView {
  public:
@@ -102,19 +138,19 @@ class Tensor : public TensorView {
   Tensor& operator=(Tensor&& other) noexcept;
   ~Tensor() = default;
 
-  static Tensor zeros(Shape shape) { return Tensor(shape); }
-  static Tensor ones(Shape shape) { return full(shape, 1.0f); }
-  static Tensor full(Shape shape, float value);
-  static Tensor empty(Shape shape);  // uninitialised storage
+  static Tensor zeros(Shape shape, DType dtype = DType::kFloat32);
+  static Tensor ones(Shape shape, DType dtype = DType::kFloat32) { return full(shape, 1.0f, dtype); }
+  static Tensor full(Shape shape, float value, DType dtype = DType::kFloat32);
+  static Tensor empty(Shape shape, DType dtype = DType::kFloat32);  // uninitialised storage
   // A tensor from nested data written row-major, e.g. Tensor::of({6, 3}, {0.43f, 0.15f, ...}).
   static Tensor of(Shape shape, std::initializer_list<float> values);
   static Tensor scalar(float value);  // 0-D
 
  private:
   struct FreeAligned {
-    void operator()(float* p) const;
+    void operator()(void* p) const;
   };
-  std::unique_ptr<float[], FreeAligned> storage_;
+  std::unique_ptr<void, FreeAligned> storage_;
 };
 
 // Row-major strides for a shape.

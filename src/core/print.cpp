@@ -1,4 +1,4 @@
-// Tensor printing, a line-by-line port of torch/_tensor_str.py (torch 1.13) for dense float32.
+// Tensor printing, a line-by-line port of torch/_tensor_str.py (torch 1.13) for dense tensors.
 //
 // Design: one pass gathers the values that will be shown (all of them, or only the `edgeitems`
 // rows/columns at each end when the tensor has more than `threshold` elements) and builds a
@@ -7,14 +7,18 @@
 // out rows the way `_tensor_str_with_formatter` / `_vector_str` do. Finally `_add_suffixes`
 // appends ", size=(...)" for empty tensors and the caller's suffix, then ")".
 //
-// Numbers are formatted from the float64 value of each float32, as Python's float.__format__
-// sees them; fmt's "{:.Nf}" / "{:.Ne}" round correctly like Python's, so the digits agree.
+// Numbers are formatted from the float64 value of each element (exact for every dtype), as
+// Python's float.__format__ sees them; fmt's "{:.Nf}" / "{:.Ne}" round correctly like Python's,
+// so the digits agree. Integer dtypes print as integers; every dtype but float32 (the default
+// dtype) gets PyTorch's "dtype=torch.<name>" suffix.
 #include "attn/print.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 #include <vector>
+
+#include "core/convert.hpp"
 
 namespace attn {
 
@@ -26,11 +30,17 @@ std::string py_format(double v, int precision, bool sci) {
   return sci ? fmt::format("{:.{}e}", v, precision) : fmt::format("{:.{}f}", v, precision);
 }
 
-// torch._tensor_str._Formatter for a floating dtype.
+// torch._tensor_str._Formatter.
 class Formatter {
  public:
-  Formatter(const std::vector<double>& values, const PrintOptions& opts)
-      : precision_(opts.precision) {
+  Formatter(const std::vector<double>& values, const PrintOptions& opts, bool floating)
+      : precision_(opts.precision), floating_(floating) {
+    if (!floating) {  // integers: the width of the longest str(value)
+      for (double v : values) {
+        max_width_ = std::max(max_width_, fmt::format("{}", static_cast<int64_t>(v)).size());
+      }
+      return;
+    }
     std::vector<double> finite;  // the non-zero finite values decide the mode and width
     for (double v : values) {
       if (std::isfinite(v) && v != 0.0) finite.push_back(v);
@@ -65,7 +75,9 @@ class Formatter {
   // Right-aligned to the common width; longer strings (e.g. "-0.") are never cut.
   std::string format(double v) const {
     std::string s;
-    if (sci_mode_) {
+    if (!floating_) {
+      s = fmt::format("{}", static_cast<int64_t>(v));
+    } else if (sci_mode_) {
       s = py_format(v, precision_, true);
     } else if (int_mode_) {
       s = py_format(v, 0, false);
@@ -79,6 +91,7 @@ class Formatter {
 
  private:
   int precision_;
+  bool floating_;
   bool int_mode_ = true;
   bool sci_mode_ = false;
   size_t max_width_ = 1;
@@ -88,6 +101,10 @@ class Printer {
  public:
   Printer(const TensorView& t, const PrintOptions& opts)
       : opts_(opts), summarize_(t.numel() > opts.threshold) {}
+
+  static double value(const TensorView& t, int64_t offset) {
+    return detail::element_as_double(t.raw_data(), t.dtype(), offset);
+  }
 
   // Indices of dim 0 to show; -1 stands for the "..." entry.
   std::vector<int64_t> shown(int64_t n, bool vector) const {
@@ -108,13 +125,13 @@ class Printer {
   // get_summarized_data: the values the formatter is built from.
   void collect(const TensorView& t, std::vector<double>& out) const {
     if (t.dim() == 0) {
-      out.push_back(t.data()[0]);
+      out.push_back(value(t, 0));
       return;
     }
     for (int64_t i : shown(t.size(0), t.dim() == 1)) {
       if (i < 0) continue;
       if (t.dim() == 1) {
-        out.push_back(t.data()[i * t.stride(0)]);
+        out.push_back(value(t, i * t.stride(0)));
       } else {
         collect(t.select(0, i), out);
       }
@@ -123,7 +140,7 @@ class Printer {
 
   // _tensor_str_with_formatter. `indent` is the column of the opening "[".
   std::string str(const TensorView& t, int indent, const Formatter& f) const {
-    if (t.dim() == 0) return f.format(t.data()[0]);
+    if (t.dim() == 0) return f.format(value(t, 0));
     if (t.dim() == 1) return vector_str(t, indent, f);
     std::string sep = "," + std::string(t.dim() - 1, '\n') + std::string(indent + 1, ' ');
     std::string out = "[";
@@ -144,7 +161,7 @@ class Printer {
     const int64_t per_line = std::max<int64_t>(1, static_cast<int64_t>(fit));
     std::vector<std::string> data;
     for (int64_t i : shown(t.size(0), true)) {
-      data.push_back(i < 0 ? " ..." : f.format(t.data()[i * t.stride(0)]));
+      data.push_back(i < 0 ? " ..." : f.format(value(t, i * t.stride(0))));
     }
     const std::string line_sep = ",\n" + std::string(indent + 1, ' ');
     std::string out = "[";
@@ -176,15 +193,18 @@ std::string format_tensor(const TensorView& t, const PrintOptions& options,
   const int indent = static_cast<int>(prefix.size());
   std::vector<std::string> suffixes;
   std::string body;
+  const std::string dtype_suffix = fmt::format("dtype=torch.{}", dtype_name(t.dtype()));
   if (t.numel() == 0) {
     body = "[]";
     // Like NumPy, only the plain (0,) shape goes without saying.
     if (t.dim() != 1) suffixes.push_back("size=" + shape_tuple(t.shape()));
+    if (t.dtype() != DType::kFloat32) suffixes.push_back(dtype_suffix);
   } else {
     Printer printer(t, options);
     std::vector<double> values;
     printer.collect(t, values);
-    body = printer.str(t, indent, Formatter(values, options));
+    body = printer.str(t, indent, Formatter(values, options, is_floating(t.dtype())));
+    if (t.dtype() != DType::kFloat32) suffixes.push_back(dtype_suffix);
   }
   if (!suffix.empty()) suffixes.push_back(suffix);
 

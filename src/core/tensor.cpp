@@ -7,8 +7,17 @@
 #include <fmt/ranges.h>
 
 #include "attn/error.hpp"
+#include "core/convert.hpp"
 
 namespace attn {
+
+namespace detail {
+void throw_dtype_mismatch(DType expected, DType actual) {
+  throw DTypeError(fmt::format("expected a {} tensor, got {}; this operation computes in {} "
+                               "(convert with .to(DType::kFloat32))",
+                               dtype_name(expected), dtype_name(actual), dtype_name(expected)));
+}
+}  // namespace detail
 
 // ---- Shape ------------------------------------------------------------------------------------
 
@@ -112,13 +121,18 @@ void check_view_extents(const Shape& shape, const Shape* strides) {
 }
 }  // namespace
 
-TensorView::TensorView(float* data, Shape shape)
-    : data_(data), shape_(shape), strides_(contiguous_strides(shape)) {
+TensorView::TensorView(float* data, Shape shape) : TensorView(data, DType::kFloat32, shape) {}
+
+TensorView::TensorView(float* data, Shape shape, Shape strides)
+    : TensorView(data, DType::kFloat32, shape, strides) {}
+
+TensorView::TensorView(void* data, DType dtype, Shape shape)
+    : data_(data), dtype_(dtype), shape_(shape), strides_(contiguous_strides(shape)) {
   check_view_extents(shape, nullptr);
 }
 
-TensorView::TensorView(float* data, Shape shape, Shape strides)
-    : data_(data), shape_(shape), strides_(strides) {
+TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
+    : data_(data), dtype_(dtype), shape_(shape), strides_(strides) {
   if (shape.ndim() != strides.ndim()) {
     throw ShapeError(fmt::format("TensorView: shape {} and strides {} differ in rank", shape.str(),
                                  strides.str()));
@@ -161,7 +175,7 @@ float& TensorView::at(std::initializer_list<int64_t> index) const {
     off += i * strides_[d];
     ++d;
   }
-  return data_[off];
+  return data()[off];
 }
 
 float TensorView::item() const {
@@ -169,7 +183,8 @@ float TensorView::item() const {
     throw ShapeError(fmt::format("item: expected a tensor with one element, got shape {}",
                                  shape_.str()));
   }
-  return data_[0];  // every index of a one-element tensor is 0
+  // Every index of a one-element tensor is 0.
+  return static_cast<float>(detail::element_as_double(data_, dtype_, 0));
 }
 
 TensorView TensorView::view(Shape shape) const {
@@ -202,7 +217,7 @@ TensorView TensorView::view(Shape shape) const {
     throw ShapeError(fmt::format("view: shape {} is invalid for input of size {} (shape {})",
                                  shape.str(), numel(), shape_.str()));
   }
-  return TensorView(data_, shape);
+  return TensorView(data_, dtype_, shape);
 }
 
 TensorView TensorView::transpose(int dim0, int dim1) const {
@@ -240,7 +255,7 @@ TensorView TensorView::select(int dim_, int64_t index) const {
   // An empty tensor can have extents and strides far beyond its storage: its views keep the
   // data pointer (never dereferenced) rather than form one outside the allocation.
   const int64_t offset = numel() == 0 ? 0 : index * strides_[d];
-  return TensorView(data_ + offset, shape, strides);
+  return TensorView(static_cast<std::byte*>(data_) + offset * element_size(), dtype_, shape, strides);
 }
 
 TensorView TensorView::slice(int dim_, int64_t start, int64_t end) const {
@@ -254,7 +269,8 @@ TensorView TensorView::slice(int dim_, int64_t start, int64_t end) const {
   end = std::clamp<int64_t>(end, start, n);
   TensorView v = *this;
   v.shape_[d] = end - start;
-  if (v.numel() > 0) v.data_ = data_ + start * strides_[d];  // an empty view keeps data_ (as select)
+  // An empty view keeps data_ (as select).
+  if (v.numel() > 0) v.data_ = static_cast<std::byte*>(data_) + start * strides_[d] * element_size();
   return v;
 }
 
@@ -271,7 +287,7 @@ TensorView TensorView::unsqueeze(int dim_) const {
       strides.push_back(strides_[i]);
     }
   }
-  return TensorView(data_, shape, strides);
+  return TensorView(data_, dtype_, shape, strides);
 }
 
 TensorView TensorView::squeeze(int dim_) const {
@@ -303,47 +319,90 @@ TensorView TensorView::expand(Shape shape) const {
                                    shape_.str(), shape.str(), i, have, shape[i]));
     }
   }
-  return TensorView(data_, shape, strides);
+  return TensorView(data_, dtype_, shape, strides);
 }
 
+namespace {
+template <typename T>
+void gather(const TensorView& v, void* out) {
+  const T* src = static_cast<const T*>(v.raw_data());
+  T* dst = static_cast<T*>(out);
+  for_each_offset(v, [&](int64_t off) { *dst++ = src[off]; });
+}
+}  // namespace
+
 Tensor TensorView::contiguous() const {
-  Tensor out = Tensor::empty(shape_);
-  float* dst = out.data();
-  for_each_offset(*this, [&](int64_t off) { *dst++ = data_[off]; });
+  Tensor out = Tensor::empty(shape_, dtype_);
+  switch (element_size()) {
+    case 1: gather<uint8_t>(*this, out.raw_data()); break;
+    case 2: gather<uint16_t>(*this, out.raw_data()); break;
+    case 4: gather<uint32_t>(*this, out.raw_data()); break;
+    default: gather<uint64_t>(*this, out.raw_data()); break;
+  }
+  return out;
+}
+
+Tensor TensorView::to(DType dtype) const {
+  if (dtype == dtype_) return contiguous();
+  const Tensor src = is_contiguous() ? Tensor() : contiguous();
+  const void* from = src.defined() ? src.raw_data() : data_;
+  Tensor out = Tensor::empty(shape_, dtype);
+  detail::convert_elements(from, dtype_, out.raw_data(), dtype, numel());
   return out;
 }
 
 std::vector<float> TensorView::to_vector() const {
   std::vector<float> v;
   v.reserve(static_cast<size_t>(numel()));
-  for_each_offset(*this, [&](int64_t off) { v.push_back(data_[off]); });
+  if (dtype_ == DType::kFloat32) {
+    const float* p = static_cast<const float*>(data_);
+    for_each_offset(*this, [&](int64_t off) { v.push_back(p[off]); });
+  } else {
+    for_each_offset(*this, [&](int64_t off) {
+      v.push_back(static_cast<float>(detail::element_as_double(data_, dtype_, off)));
+    });
+  }
+  return v;
+}
+
+std::vector<double> TensorView::to_double_vector() const {
+  std::vector<double> v;
+  v.reserve(static_cast<size_t>(numel()));
+  for_each_offset(*this, [&](int64_t off) { v.push_back(detail::element_as_double(data_, dtype_, off)); });
   return v;
 }
 
 // ---- Tensor -----------------------------------------------------------------------------------
 
-void Tensor::FreeAligned::operator()(float* p) const { std::free(p); }
+void Tensor::FreeAligned::operator()(void* p) const { std::free(p); }
 
-Tensor Tensor::empty(Shape shape) {
+Tensor Tensor::empty(Shape shape, DType dtype) {
   const int64_t n = shape.numel();
   constexpr int64_t kAlign = 64;
-  const int64_t max_elems = (INT64_MAX - kAlign) / static_cast<int64_t>(sizeof(float));
+  const int64_t item = dtype_size(dtype);
+  const int64_t max_elems = (INT64_MAX - kAlign) / item;
   if (n > max_elems) {
     throw ValueError(fmt::format("Tensor: shape {} needs more memory than can be addressed", shape.str()));
   }
   // Round up so aligned_alloc's size is a multiple of the alignment; never allocate 0 bytes.
-  const size_t bytes = static_cast<size_t>(((std::max<int64_t>(n, 1) * 4 + kAlign - 1) / kAlign) * kAlign);
-  auto* p = static_cast<float*>(std::aligned_alloc(kAlign, bytes));
+  const size_t bytes = static_cast<size_t>(((std::max<int64_t>(n, 1) * item + kAlign - 1) / kAlign) * kAlign);
+  void* p = std::aligned_alloc(kAlign, bytes);
   if (p == nullptr) {
     throw Error(fmt::format("Tensor: allocation of {} bytes for shape {} failed", bytes, shape.str()));
   }
   Tensor t;
   t.storage_.reset(p);
-  static_cast<TensorView&>(t) = TensorView(p, shape);
+  static_cast<TensorView&>(t) = TensorView(p, dtype, shape);
   return t;
 }
 
-Tensor::Tensor(Shape shape) : Tensor(full(shape, 0.0f)) {}
+Tensor Tensor::zeros(Shape shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  std::memset(t.raw_data(), 0, static_cast<size_t>(t.numel() * t.element_size()));  // 0 bits = 0
+  return t;
+}
+
+Tensor::Tensor(Shape shape) : Tensor(zeros(shape)) {}
 
 Tensor::Tensor(Shape shape, std::span<const float> values) : Tensor(empty(shape)) {
   if (static_cast<int64_t>(values.size()) != numel()) {
@@ -353,7 +412,8 @@ Tensor::Tensor(Shape shape, std::span<const float> values) : Tensor(empty(shape)
   std::copy(values.begin(), values.end(), data());
 }
 
-Tensor Tensor::full(Shape shape, float value) {
+Tensor Tensor::full(Shape shape, float value, DType dtype) {
+  if (dtype != DType::kFloat32) return full(shape, value).to(dtype);
   Tensor t = empty(shape);
   std::fill_n(t.data(), t.numel(), value);
   return t;

@@ -31,37 +31,31 @@ constexpr uint64_t kMaxHeaderBytes = 100'000'000;
   throw FormatError(source + ": " + what);
 }
 
-enum class DType { kF32, kF64, kF16, kBF16 };
+// The safetensors names of the dtypes attn tensors carry.
+struct DTypeName {
+  const char* name;
+  DType dtype;
+};
+constexpr DTypeName kDTypes[] = {{"F32", DType::kFloat32}, {"BF16", DType::kBFloat16},
+                                 {"F16", DType::kFloat16}, {"F64", DType::kFloat64},
+                                 {"I8", DType::kInt8},     {"I32", DType::kInt32}};
 
 bool parse_dtype(const std::string& s, DType& out, uint64_t& item_size) {
-  if (s == "F32") { out = DType::kF32; item_size = 4; return true; }
-  if (s == "F64") { out = DType::kF64; item_size = 8; return true; }
-  if (s == "F16") { out = DType::kF16; item_size = 2; return true; }
-  if (s == "BF16") { out = DType::kBF16; item_size = 2; return true; }
+  for (const DTypeName& d : kDTypes) {
+    if (s == d.name) {
+      out = d.dtype;
+      item_size = static_cast<uint64_t>(dtype_size(d.dtype));
+      return true;
+    }
+  }
   return false;
 }
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  const uint32_t exp = (h >> 10) & 0x1F;
-  uint32_t mant = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);  // inf / NaN (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;  // signed zero
-  } else {
-    // Subnormal half: normalise it; every half subnormal is a normal float.
-    int e = 113;
-    while ((mant & 0x400) == 0) {
-      mant <<= 1;
-      --e;
-    }
-    bits = sign | (static_cast<uint32_t>(e) << 23) | ((mant & 0x3FF) << 13);
+const char* dtype_file_name(DType t) {
+  for (const DTypeName& d : kDTypes) {
+    if (d.dtype == t) return d.name;
   }
-  return std::bit_cast<float>(bits);
+  return "?";
 }
 
 struct Entry {
@@ -91,12 +85,12 @@ Entry parse_entry(const std::string& source, const std::string& name, const io::
     fail(source, what + ": missing \"" +
                      std::string(!dtype ? "dtype" : !shape ? "shape" : "data_offsets") + "\"");
   }
-  Entry e{name, DType::kF32, {}, 0, 0};
+  Entry e{name, DType::kFloat32, {}, 0, 0};
   uint64_t item_size = 0;
   if (dtype->kind != Kind::kString) fail(source, what + ": \"dtype\" must be a string");
   if (!parse_dtype(dtype->text, e.dtype, item_size)) {
     fail(source, what + " has dtype \"" + dtype->text +
-                     "\"; attn reads F32, F64, F16 and BF16 (as float32)");
+                     "\"; attn reads F32, BF16, F16, F64, I8 and I32");
   }
   if (shape->kind != Kind::kArray) fail(source, what + ": \"shape\" must be an array");
   if (shape->items.size() > static_cast<size_t>(kMaxDims)) {
@@ -134,35 +128,9 @@ Entry parse_entry(const std::string& source, const std::string& name, const io::
 }
 
 Tensor decode(const Entry& e, const char* data) {
-  Tensor t = Tensor::empty(e.shape);
-  float* out = t.data();
-  const int64_t n = t.numel();
-  switch (e.dtype) {
-    case DType::kF32:
-      if (n > 0) std::memcpy(out, data, static_cast<size_t>(n) * 4);
-      break;
-    case DType::kF64:
-      for (int64_t i = 0; i < n; ++i) {
-        double d;
-        std::memcpy(&d, data + i * 8, 8);
-        out[i] = static_cast<float>(d);
-      }
-      break;
-    case DType::kF16:
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, data + i * 2, 2);
-        out[i] = half_to_float(h);
-      }
-      break;
-    case DType::kBF16:
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, data + i * 2, 2);
-        out[i] = std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
-      }
-      break;
-  }
+  Tensor t = Tensor::empty(e.shape, e.dtype);
+  const int64_t bytes = t.numel() * t.element_size();
+  if (bytes > 0) std::memcpy(t.raw_data(), data, static_cast<size_t>(bytes));
   return t;
 }
 
@@ -303,12 +271,14 @@ std::string serialize_safetensors(const NamedViews& tensors,
   for (const auto& [name, t] : tensors) {
     if (header.size() > 1) header += ',';
     json_string(header, name);
-    header += ":{\"dtype\":\"F32\",\"shape\":[";
+    header += ":{\"dtype\":\"";
+    header += dtype_file_name(t.dtype());
+    header += "\",\"shape\":[";
     for (int i = 0; i < t.dim(); ++i) {
       if (i > 0) header += ',';
       header += std::to_string(t.size(i));
     }
-    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * 4;
+    const uint64_t bytes = static_cast<uint64_t>(t.numel() * t.element_size());
     header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
               std::to_string(offset + bytes) + "]}";
     offset += bytes;
@@ -325,11 +295,12 @@ std::string serialize_safetensors(const NamedViews& tensors,
   out.reserve(out.size() + offset);
   for (const auto& [name, t] : tensors) {
     if (t.numel() == 0) continue;
+    const size_t bytes = static_cast<size_t>(t.numel() * t.element_size());
     if (t.is_contiguous()) {
-      out.append(reinterpret_cast<const char*>(t.data()), static_cast<size_t>(t.numel()) * 4);
+      out.append(static_cast<const char*>(t.raw_data()), bytes);
     } else {
-      const std::vector<float> v = t.to_vector();
-      out.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+      const Tensor c = t.contiguous();
+      out.append(static_cast<const char*>(c.raw_data()), bytes);
     }
   }
   return out;

@@ -78,13 +78,16 @@ void expect_equal(const std::string& name, const TensorView& actual) {
 
 // ---- matmul -------------------------------------------------------------------------------------
 
-// Float32 torch.matmul and the float64 product of the same inputs. Both float32 kernels agree to
-// an ulp or so; against the float64 truth the rounding of a length-k sum of N(0,1) products grows
-// like sqrt(k) ulps of the terms, so the absolute tolerance does too.
+// Float32 torch.matmul and the float64 product of the same inputs. Against the float64 truth the
+// rounding of a length-k sum of N(0,1) products grows like sqrt(k) ulps of the terms, so the
+// absolute tolerance does too. Two float32 kernels (PyTorch's MKL, this machine's OpenBLAS core)
+// sum in different orders, so they differ by as much: on an Intel Xeon (OpenBLAS's
+// SapphireRapids kernel) a k = 128 entry of 0.689 came out 5e-6 away from PyTorch's, which a
+// fixed 1e-6 rejected although both are within the float64 bound.
 void check_matmul(const std::string& name, const TensorView& a, const TensorView& b) {
   const Tensor out = matmul(a, b);
   const double k = static_cast<double>(a.size(-1));
-  expect_close("matmul/" + name, out, 1e-6, 1e-6);
+  expect_close("matmul/" + name, out, 1e-6, 1e-6 + 2e-6 * std::sqrt(k));
   expect_close("matmul/" + name + "/f64", out, 1e-6, 2e-6 * std::sqrt(k));
 }
 
