@@ -42,10 +42,10 @@ struct AttnMask {
 };
 
 // Which implementation computes the attention.
-//   kReference: materialises the L x S score matrix (src/reference); everything is tested
-//               against it, and the chapter's modules print through it.
-//   kFused:     the fused CPU kernel (src/cpu): tiles over query and key blocks with an online
-//               softmax, O(L) memory. Dropout needs DropoutRng::kPhilox there.
+//   kReference: materialises the L x S score matrix (src/sdpa/reference); everything is
+//               tested against it, and the chapter's modules print through it.
+//   kFused:     the fused CPU kernels (src/sdpa/cpu): tile over query and key blocks with an
+//               online softmax, O(L) memory. Dropout needs DropoutRng::kPhilox there.
 //   kAuto:      kFused unless the call uses something only the reference supports
 //               (dropout with DropoutRng::kTorch), then kReference.
 enum class SdpaBackend { kAuto, kReference, kFused };

@@ -1,5 +1,5 @@
 // The fused CPU backward against the reference backward and the float64 truth, in the same test,
-// over the forward's sweep (tests/cpu/sdpa_cases.hpp): odd lengths, head dims 1..256, GQA,
+// over the forward's sweep (tests/sdpa/cpu/sdpa_cases.hpp): odd lengths, head dims 1..256, GQA,
 // every mask kind, both causal alignments, Philox dropout, every instruction-set build.
 //
 // Rule: for each of dQ, dK, dV the fused error against float64 is at most 2x the reference
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "attn/attn.hpp"
-#include "cpu/sdpa_cases.hpp"
+#include "sdpa/cpu/sdpa_cases.hpp"
 
 namespace attn {
 namespace {

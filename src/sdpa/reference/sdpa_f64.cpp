@@ -5,8 +5,8 @@
 // state, or the same Philox row function), so the two are comparable with dropout too.
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
-#include "common/sdpa_check.hpp"
-#include "reference/sdpa_row.hpp"
+#include "sdpa/problem.hpp"
+#include "sdpa/reference/sdpa_row.hpp"
 
 namespace attn::reference {
 

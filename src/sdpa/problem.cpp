@@ -1,4 +1,4 @@
-#include "sdpa_check.hpp"
+#include "sdpa/problem.hpp"
 
 #include <cmath>
 #include <limits>

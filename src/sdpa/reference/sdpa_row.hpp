@@ -7,7 +7,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "common/sdpa_check.hpp"
+#include "sdpa/problem.hpp"
 
 namespace attn::detail {
 

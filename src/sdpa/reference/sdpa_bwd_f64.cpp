@@ -9,8 +9,8 @@
 #include "attn/error.hpp"
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
-#include "common/sdpa_check.hpp"
-#include "reference/sdpa_row.hpp"
+#include "sdpa/problem.hpp"
+#include "sdpa/reference/sdpa_row.hpp"
 
 namespace attn::reference {
 

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "cpu/flash_params.hpp"
+#include "sdpa/cpu/flash_params.hpp"
 
 namespace attn::cpu {
 

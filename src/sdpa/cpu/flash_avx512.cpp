@@ -2,9 +2,9 @@
 // flags come from CMakeLists.txt, the choice at run time from flash_fwd.cpp.
 #define ATTN_SIMD_NS avx512
 #define ATTN_SIMD_WIDTH 16
-#include "cpu/flash_kernel.hpp"
-#include "cpu/flash_bwd_kernel.hpp"
-#include "cpu/flash_isa.hpp"
+#include "sdpa/cpu/flash_kernel.hpp"
+#include "sdpa/cpu/flash_bwd_kernel.hpp"
+#include "sdpa/cpu/flash_isa.hpp"
 
 namespace attn::cpu {
 

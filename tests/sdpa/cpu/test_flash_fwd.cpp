@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "attn/attn.hpp"
-#include "cpu/sdpa_cases.hpp"
+#include "sdpa/cpu/sdpa_cases.hpp"
 
 namespace attn {
 namespace {

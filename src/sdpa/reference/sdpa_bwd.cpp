@@ -19,8 +19,8 @@
 
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
-#include "common/sdpa_backends.hpp"
-#include "reference/sdpa_row.hpp"
+#include "sdpa/registry.hpp"
+#include "sdpa/reference/sdpa_row.hpp"
 
 namespace attn::reference {
 

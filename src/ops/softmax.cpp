@@ -6,7 +6,7 @@
 
 #include "attn/error.hpp"
 #include "attn/functional.hpp"
-#include "reference/cascade_sum.hpp"
+#include "ops/cascade_sum.hpp"
 
 namespace attn {
 namespace {

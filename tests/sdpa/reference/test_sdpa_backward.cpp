@@ -3,7 +3,7 @@
 //      forward (the formula is right), for every option the forward has;
 //   2. the float32 reference backward against the float64 gradients (the implementation is right);
 //   3. bad input.
-// The fused backward is held against both in tests/cpu/test_flash_bwd.cpp.
+// The fused backward is held against both in tests/sdpa/cpu/test_flash_bwd.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>

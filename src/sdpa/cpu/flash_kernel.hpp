@@ -30,7 +30,7 @@
 #include <limits>
 #include <numbers>
 
-#include "cpu/flash_params.hpp"
+#include "sdpa/cpu/flash_params.hpp"
 
 namespace attn::cpu::ATTN_SIMD_NS {
 

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include "attn/error.hpp"
-#include "common/sdpa_backends.hpp"
+#include "sdpa/registry.hpp"
 
 namespace attn {
 

@@ -13,9 +13,9 @@
 
 #include <omp.h>
 
-#include "common/sdpa_backends.hpp"
-#include "cpu/flash_inputs.hpp"
-#include "cpu/flash_isa.hpp"
+#include "sdpa/registry.hpp"
+#include "sdpa/cpu/flash_inputs.hpp"
+#include "sdpa/cpu/flash_isa.hpp"
 
 namespace attn::cpu {
 

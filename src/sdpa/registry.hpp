@@ -1,9 +1,9 @@
-// The backends behind attn::scaled_dot_product_attention (src/common/sdpa_dispatch.cpp picks
+// The backends behind attn::scaled_dot_product_attention (src/sdpa/sdpa.cpp picks
 // one). Each receives arguments already validated by check_sdpa.
 #pragma once
 
 #include "attn/sdpa.hpp"
-#include "common/sdpa_check.hpp"
+#include "sdpa/problem.hpp"
 
 namespace attn::reference {
 SdpaResult sdpa_forward(const TensorView& q, const TensorView& k, const TensorView& v,
