@@ -94,6 +94,7 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
                                  o.dropout_p));
   }
   p.dropout_p = o.dropout_p;
+  p.dtype = DType::kFloat32;
   if (o.is_causal && o.attn_mask) {
     throw ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=true, not both");
   }

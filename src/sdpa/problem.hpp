@@ -2,6 +2,7 @@
 // so each one rejects the same inputs with the same messages.
 #pragma once
 
+#include "attn/dtype.hpp"
 #include "attn/sdpa.hpp"
 
 namespace attn::detail {
@@ -22,6 +23,9 @@ struct SdpaProblem {
   TensorView mask;  // expanded to lead + (L, S), or undefined
   bool mask_is_bool;
   float dropout_p;
+  // The element type of q, k and v (the kernels' dtype constraint reads it). check_sdpa sets
+  // kFloat32, the only type a Tensor holds today.
+  DType dtype = DType::kFloat32;
 
   // Grouped-query attention (SdpaOptions::enable_gqa). The head dim is dim -3 of 3-D and 4-D
   // inputs (the last of `lead`); 2-D inputs have one head. Query head h reads key/value head

@@ -1,7 +1,6 @@
-// attn::scaled_dot_product_attention and its backward: validate once, then hand the problem to
-// a backend.
-#include <fmt/format.h>
-
+// attn::scaled_dot_product_attention and its backward: validate once, choose a kernel from the
+// registry (src/sdpa/registry.cpp), then hand it the problem. The choice happens before any
+// kernel runs, so a refused call computes nothing and draws no random numbers.
 #include "attn/error.hpp"
 #include "sdpa/registry.hpp"
 
@@ -10,21 +9,9 @@ namespace attn {
 SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
                                         const TensorView& value, const SdpaOptions& options) {
   const detail::SdpaProblem p = detail::check_sdpa(query, key, value, options);
-  switch (options.backend) {
-    case SdpaBackend::kReference:
-      return reference::sdpa_forward(query, key, value, options, p);
-    case SdpaBackend::kFused:
-      if (!cpu::fused_supports(options)) {
-        throw ValueError(
-            "scaled_dot_product_attention: backend kFused does not support dropout with "
-            "DropoutRng::kTorch (PyTorch's sequential stream); use DropoutRng::kPhilox or kAuto");
-      }
-      return cpu::flash_forward(query, key, value, options, p);
-    case SdpaBackend::kAuto:
-      break;
-  }
-  if (cpu::fused_supports(options)) return cpu::flash_forward(query, key, value, options, p);
-  return reference::sdpa_forward(query, key, value, options, p);
+  const detail::SdpaKernel& kernel =
+      detail::select_sdpa_kernel(p, options, "scaled_dot_product_attention");
+  return kernel.forward(query, key, value, options, p);
 }
 
 SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
@@ -33,15 +20,15 @@ SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
                                                 const SdpaOptions& options) {
   const detail::SdpaProblem p = detail::check_sdpa(query, key, value, options);
   detail::check_sdpa_backward(grad_output, forward, options, p);
-  const bool fused = options.backend == SdpaBackend::kFused ||
-                     (options.backend == SdpaBackend::kAuto && cpu::fused_supports(options));
-  if (fused && !cpu::fused_supports(options)) {
-    throw ValueError(
-        "scaled_dot_product_attention_backward: backend kFused does not support dropout with "
-        "DropoutRng::kTorch (PyTorch's sequential stream); use DropoutRng::kPhilox or kAuto");
-  }
-  if (fused) return cpu::flash_backward(grad_output, query, key, value, forward, options, p);
-  return reference::sdpa_backward(grad_output, query, key, value, forward, options, p);
+  const detail::SdpaKernel& kernel =
+      detail::select_sdpa_kernel(p, options, "scaled_dot_product_attention_backward");
+  return kernel.backward(grad_output, query, key, value, forward, options, p);
+}
+
+std::string sdpa_kernel_name(const TensorView& query, const TensorView& key,
+                             const TensorView& value, const SdpaOptions& options) {
+  const detail::SdpaProblem p = detail::check_sdpa(query, key, value, options);
+  return std::string(detail::select_sdpa_kernel(p, options, "scaled_dot_product_attention").name);
 }
 
 }  // namespace attn

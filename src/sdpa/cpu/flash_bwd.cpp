@@ -19,35 +19,19 @@
 
 namespace attn::cpu {
 
-
-SdpaGrads flash_backward(const TensorView& dout_in, const TensorView& q_in, const TensorView& k_in,
-                         const TensorView& v_in, const SdpaResult& forward, const SdpaOptions& options,
+SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
+                         const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
+                         const SdpaResult& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& p) {
   Tensor qs, ks, vs, ds, os, ls;
   const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
                    v = rows_contiguous(v_in, vs), dout = rows_contiguous(dout_in, ds),
                    out = rows_contiguous(forward.output, os);
   const TensorView lse = forward.lse.is_contiguous() ? TensorView(forward.lse) : (ls = forward.lse.contiguous());
-  const FlashKernel& kernel = select_flash_kernel();
 
   SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape())};
 
-  FlashParams fp;
-  fp.L = p.L, fp.S = p.S, fp.E = p.E, fp.Ev = p.Ev;
-  fp.q_row = q.stride(-2), fp.k_row = k.stride(-2), fp.v_row = v.stride(-2);
-  const double scale = p.divide ? 1.0 / static_cast<double>(p.divisor) : p.scale;
-  fp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
-  fp.scale = static_cast<float>(scale);
-  fp.causal = p.causal;
-  fp.causal_offset = p.causal_offset;
-  if (p.mask.defined()) {
-    fp.mask_row = p.mask.stride(-2);
-    fp.mask_col = p.mask.stride(-1);
-    fp.mask_is_bool = p.mask_is_bool;
-  }
-  fp.dropout_p = p.dropout_p;
-  fp.dropout_seed = options.dropout_seed;
-  fp.dropout_offset = options.dropout_offset;
+  FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
   fp.guard_v = !all_finite(q) || !all_finite(k) || !all_finite(v) || !all_finite(dout);
 
   const int64_t kv_heads = p.batch / p.group;

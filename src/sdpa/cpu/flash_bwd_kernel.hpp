@@ -125,7 +125,7 @@ inline void dropout_grad_block(const FlashParams& p, const FlashBlock& b, int64_
 }
 
 template <bool kGuard>
-inline void backward_head_impl(const FlashParams& p, const FlashBwdHead& h, float* ws) {
+inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, float* ws) {
   const int64_t L = p.L, E = p.E, Ev = p.Ev;
   const int64_t lp = (L + kBQ - 1) / kBQ * kBQ, ep = round_up(E), evp = round_up(Ev);
   float* qt = ws;                    // lp * E
@@ -244,7 +244,7 @@ inline void backward_head_impl(const FlashParams& p, const FlashBwdHead& h, floa
   for (int64_t i = 0; i < L; ++i) std::memcpy(h.dq + i * E, dq + i * ep, static_cast<size_t>(E) * sizeof(float));
 }
 
-inline void backward_head(const FlashParams& p, const FlashBwdHead& h, float* ws) {
+inline void backward_head(const FlashBwdParams& p, const FlashBwdHead& h, float* ws) {
   if (p.guard_v) {
     backward_head_impl<true>(p, h, ws);
   } else {

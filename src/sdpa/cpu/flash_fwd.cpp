@@ -1,5 +1,6 @@
-// The fused CPU backend of scaled_dot_product_attention: turns a validated problem into
-// per-block work items and runs them on OpenMP threads with the best kernel build for this CPU.
+// The fused CPU forward of scaled_dot_product_attention: turns a validated problem into
+// per-block work items and runs them on OpenMP threads with the kernel build the registry chose
+// (src/sdpa/registry.cpp registers one entry per build, all running this driver).
 //
 // Work items are (batch*head, block of kBQ queries). Every output row is produced by exactly
 // one item in a fixed order, so results are bit-identical for any thread count. With is_causal
@@ -7,10 +8,8 @@
 // handed out longest first with dynamic scheduling.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <numbers>
 #include <numeric>
-#include <string_view>
 #include <vector>
 
 #include <omp.h>
@@ -22,32 +21,16 @@
 
 namespace attn::cpu {
 
-const FlashKernel& select_flash_kernel() {
-  const char* force = std::getenv("ATTN_CPU_ISA");
-  const std::string_view want = force != nullptr ? force : "";
-  if (want == "generic") return flash_kernel_generic();
-#if defined(ATTN_HAVE_X86_KERNELS)
-  if (want != "avx2" && __builtin_cpu_supports("avx512f")) return flash_kernel_avx512();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return flash_kernel_avx2();
-#endif
-  return flash_kernel_generic();
-}
-
 bool dropout_keep(const FlashParams& p, int64_t bh, int64_t i, int64_t j) {
   return philox_dropout_keep(p.dropout_seed, p.dropout_offset, bh, i, j, p.dropout_p);
 }
 
-bool fused_supports(const SdpaOptions& options) {
-  return !(options.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch);
-}
-
-
-SdpaResult flash_forward(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
-                         const SdpaOptions& options, const detail::SdpaProblem& p) {
+SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, const TensorView& k_in,
+                         const TensorView& v_in, const SdpaOptions& options,
+                         const detail::SdpaProblem& p) {
   Tensor qs, ks, vs;
   const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
                    v = rows_contiguous(v_in, vs);
-  const FlashKernel& kernel = select_flash_kernel();
 
   Shape out_shape = p.lead, lse_shape = p.lead;
   out_shape.push_back(p.L);
@@ -58,23 +41,7 @@ SdpaResult flash_forward(const TensorView& q_in, const TensorView& k_in, const T
   const bool want_lse = options.need_lse || options.need_weights;
   if (want_lse) result.lse = Tensor::empty(lse_shape);
 
-  FlashParams fp;
-  fp.L = p.L, fp.S = p.S, fp.E = p.E, fp.Ev = p.Ev;
-  const int nd = q.dim();
-  fp.q_row = q.stride(nd - 2), fp.k_row = k.stride(nd - 2), fp.v_row = v.stride(nd - 2);
-  fp.o_row = p.Ev;
-  const double scale = p.divide ? 1.0 / static_cast<double>(p.divisor) : p.scale;
-  fp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
-  fp.causal = p.causal;
-  fp.causal_offset = p.causal_offset;
-  if (p.mask.defined()) {
-    fp.mask_row = p.mask.stride(-2);
-    fp.mask_col = p.mask.stride(-1);
-    fp.mask_is_bool = p.mask_is_bool;
-  }
-  fp.dropout_p = p.dropout_p;
-  fp.dropout_seed = options.dropout_seed;
-  fp.dropout_offset = options.dropout_offset;
+  FlashParams fp = make_flash_params(p, options, q, k, v);
   fp.guard_v = !all_finite(v);
 
   // Work items (b, query block), head by head so K and V stay in cache; within a head the

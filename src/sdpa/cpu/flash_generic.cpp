@@ -1,5 +1,5 @@
 // The fused attention kernel built for one instruction set (see flash_kernel.hpp); the
-// flags come from CMakeLists.txt, the choice at run time from flash_fwd.cpp.
+// flags come from CMakeLists.txt, the choice at run time from src/sdpa/registry.cpp.
 #define ATTN_SIMD_NS generic
 #define ATTN_SIMD_WIDTH 4
 #include "sdpa/cpu/flash_kernel.hpp"

@@ -1,4 +1,5 @@
-// The per-instruction-set builds of the fused kernel, as a table of functions.
+// The per-instruction-set builds of the fused kernel, as a table of functions: the shared driver
+// (flash_fwd.cpp, flash_bwd.cpp) runs whichever table the registry hands it.
 #pragma once
 
 #include <cstdint>
@@ -14,14 +15,14 @@ struct FlashKernel {
   void (*forward)(const FlashParams&, const FlashBlock&, float* workspace);
   void (*weights)(const FlashParams&, const FlashBlock&, float* workspace);
   int64_t (*backward_workspace_floats)(int64_t L, int64_t E, int64_t Ev);
-  void (*backward)(const FlashParams&, const FlashBwdHead&, float* workspace);
+  void (*backward)(const FlashBwdParams&, const FlashBwdHead&, float* workspace);
 };
 
 const FlashKernel& flash_kernel_avx512();
 const FlashKernel& flash_kernel_avx2();
 const FlashKernel& flash_kernel_generic();
 
-// The best kernel this CPU runs; ATTN_CPU_ISA=avx2|generic forces a lower one (for tests).
-const FlashKernel& select_flash_kernel();
+// Which build runs is the registry's choice (src/sdpa/registry.cpp): each is an entry there,
+// with the CPU features its compile flags assume.
 
 }  // namespace attn::cpu

@@ -1,7 +1,7 @@
 // Fused attention forward for one block of queries (FlashAttention-2's algorithm on a CPU).
 //
 // Included by flash_avx512.cpp, flash_avx2.cpp and flash_generic.cpp, each compiling it with
-// its own -m flags, vector width W (16, 8, 4 floats) and namespace; flash_fwd.cpp picks one at
+// its own -m flags, vector width W (16, 8, 4 floats) and namespace; the registry picks one at
 // run time. Written with GCC vector extensions: `vf` is one SIMD register of W floats, and
 // `acc += a * b` becomes an FMA (these files build with -ffp-contract=fast).
 //

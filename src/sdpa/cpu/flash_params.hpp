@@ -1,5 +1,6 @@
-// Parameters of the fused attention kernel, shared by the dispatcher (flash_fwd.cpp) and the
-// per-ISA kernel builds (flash_kernel.hpp compiled as avx512, avx2 and generic).
+// Parameters of the fused attention kernel, shared by the driver (flash_fwd.cpp, flash_bwd.cpp)
+// and the per-ISA kernel builds (flash_kernel.hpp compiled as avx512, avx2 and generic).
+// FlashAttention's flash.h layout: one struct for the forward, extended by the backward's.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,6 @@ struct FlashParams {
   int64_t q_row = 0, k_row = 0, v_row = 0, o_row = 0;  // element stride between rows
 
   float scale_log2 = 0;   // softmax scale times log2(e): scores are kept in base 2
-  float scale = 0;        // the softmax scale itself (the backward's dS -> dQ, dK factor)
   bool causal = false;
   int64_t causal_offset = 0;  // key j is visible to query i iff j <= i + causal_offset
 
@@ -24,6 +24,12 @@ struct FlashParams {
   float dropout_p = 0;              // Philox dropout on the weights when > 0
   uint64_t dropout_seed = 0, dropout_offset = 0;
   bool guard_v = false;             // v (backward: any input) holds NaN/Inf: never multiply it by a 0
+};
+
+// The backward's parameters: the forward's, plus what only the gradients need. Filled by
+// make_flash_bwd_params (flash_inputs.hpp) from the same problem as the forward's.
+struct FlashBwdParams : FlashParams {
+  float scale = 0;  // the softmax scale itself (the dS -> dQ, dK factor)
 };
 
 // One work item: a block of up to kBlockQ queries of one (batch, head).

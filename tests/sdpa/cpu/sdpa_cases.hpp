@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -115,5 +116,24 @@ inline std::vector<Case> sweep() {
 }
 
 inline void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
+
+// The fused kernels of the registry that this CPU runs: the sweeps force each by name
+// (SdpaOptions::kernel). A kernel it cannot run is reported once on stdout with the reason, so
+// a machine without AVX-512 says what it did not test instead of passing silently.
+inline const std::vector<std::string>& runnable_fused_kernels() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const SdpaKernelInfo& k : sdpa_kernels()) {
+      if (k.family != SdpaBackend::kFused) continue;
+      if (k.runs_on_this_cpu) {
+        out.push_back(k.name);
+      } else {
+        std::printf("[ SKIPPED  ] kernel %s on this CPU: %s\n", k.name.c_str(), k.reason_if_not.c_str());
+      }
+    }
+    return out;
+  }();
+  return names;
+}
 
 }  // namespace attn::test
