@@ -66,6 +66,14 @@ const SdpaKernel kKernels[] = {
      reference::sdpa_backward},
 };
 
+// "" if this CPU has every feature the kernel's build assumes, else which ones it lacks.
+std::string missing_features(const SdpaKernel& kernel) {
+  const cpu::CpuFeatures& cpu = cpu::cpu_features();
+  if (cpu.has(kernel.needs)) return "";
+  return fmt::format("needs CPU features {} (this CPU: {})",
+                     cpu::feature_names(kernel.needs & ~cpu.mask), cpu.describe());
+}
+
 std::string known_names() {
   std::string s;
   for (const SdpaKernel& k : kKernels) s += fmt::format("{}{}", s.empty() ? "" : ", ", k.name);
@@ -78,11 +86,7 @@ std::span<const SdpaKernel> sdpa_registry() { return kKernels; }
 
 std::string kernel_why_not(const SdpaKernel& kernel, const SdpaProblem& problem,
                            const SdpaOptions& options) {
-  const cpu::CpuFeatures& cpu = cpu::cpu_features();
-  if (!cpu.has(kernel.needs)) {
-    return fmt::format("needs CPU features {} (this CPU: {})",
-                       cpu::feature_names(kernel.needs & ~cpu.mask), cpu.describe());
-  }
+  if (std::string missing = missing_features(kernel); !missing.empty()) return missing;
   bool dtype_ok = false;
   std::string takes;
   for (DType d : kernel.dtypes) {
@@ -144,17 +148,13 @@ namespace attn {
 
 std::vector<SdpaKernelInfo> sdpa_kernels() {
   std::vector<SdpaKernelInfo> out;
-  const cpu::CpuFeatures& cpu = cpu::cpu_features();
   for (const detail::SdpaKernel& k : detail::sdpa_registry()) {
     SdpaKernelInfo info;
     info.name = std::string(k.name);
     info.family = k.family;
     info.dtypes.assign(k.dtypes.begin(), k.dtypes.end());
-    info.runs_on_this_cpu = cpu.has(k.needs);
-    if (!info.runs_on_this_cpu) {
-      info.reason_if_not = fmt::format("needs CPU features {} (this CPU: {})",
-                                       cpu::feature_names(k.needs & ~cpu.mask), cpu.describe());
-    }
+    info.reason_if_not = detail::missing_features(k);
+    info.runs_on_this_cpu = info.reason_if_not.empty();
     out.push_back(std::move(info));
   }
   return out;
