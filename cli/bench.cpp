@@ -97,6 +97,14 @@ std::optional<std::string> validate(const BenchConfig& c) {
   if (c.impl != "fused" && c.impl != "reference" && c.impl != "auto") {
     return fmt::format("--impl must be fused, reference or auto (got '{}')", c.impl);
   }
+  if (!c.kernel.empty()) {
+    std::string names;
+    for (const SdpaKernelInfo& k : sdpa_kernels()) {
+      if (k.name == c.kernel) return std::nullopt;
+      names += (names.empty() ? "" : ", ") + k.name;
+    }
+    return fmt::format("--kernel must be one of {} (got '{}')", names, c.kernel);
+  }
   return std::nullopt;
 }
 
@@ -155,7 +163,11 @@ BenchResult run_bench(const BenchConfig& c) {
   options.is_causal = c.causal;
   options.enable_gqa = kv_heads != c.heads;
   options.backend = backend_of(c.impl);
+  options.kernel = c.kernel;
   options.num_threads = threads;
+  // Which kernel the timed calls run; throws (before any timing) as the call would.
+  r.kernel = sdpa_kernel_name(q, k, v, options);
+  r.cpu = cpu_description();
 
   SdpaResult saved;
   Tensor dout;
@@ -188,18 +200,18 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
   std::string times;
   for (const double t : r.times_ms) times += (times.empty() ? "" : ", ") + json_number(t, 4);
   return fmt::format(
-      "{{\"impl\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
+      "{{\"impl\": {}, \"kernel\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
       "\"seq_kv\": {}, \"dim\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {}, "
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
-      "\"openblas_coretype\": {}, \"simd\": {}, \"times_ms\": [{}]}}\n",
-      json_string(c.impl), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
+      "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}]}}\n",
+      json_string(c.impl), json_string(r.kernel), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
       json_number(r.peak_gflops, 3), json_number(r.peak_ratio, 5), json_number(r.max_rss_mib, 1),
       json_string(r.blas_core), json_string(r.blas_config),
       r.openblas_coretype.empty() ? "null" : json_string(r.openblas_coretype), json_string(r.simd),
-      times);
+      json_string(r.cpu), times);
 }
 
 std::string format_table(const BenchConfig& c, const BenchResult& r) {
@@ -208,6 +220,7 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
     s += fmt::format("{:<12} {}\n", key, value);
   };
   row("impl", c.impl);
+  row("kernel", r.kernel);
   row("pass", c.backward ? "backward (FLOPs: 2.5x the forward's)" : "forward");
   row("shape", shape_text(c) + (c.causal ? ", causal" : ", not causal"));
   row("threads", fmt::format("{}", c.threads_or_default()));
@@ -219,6 +232,19 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
   row("of peak", fmt::format("{:.1f} %", 100.0 * r.peak_ratio));
   row("peak RSS", fmt::format("{:.1f} MiB", r.max_rss_mib));
   row("BLAS core", blas_text(r));
+  row("CPU", r.cpu);
+  return s;
+}
+
+std::string format_kernels() {
+  std::string s = fmt::format("CPU: {}\n", cpu_description());
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    std::string dtypes;
+    for (DType d : k.dtypes) dtypes += fmt::format("{}{}", dtypes.empty() ? "" : ",", dtype_name(d));
+    s += fmt::format("{:<18} {:<9} {:<10} {}\n", k.name,
+                     k.family == SdpaBackend::kReference ? "reference" : "fused", dtypes,
+                     k.runs_on_this_cpu ? "runs here" : "not here: " + k.reason_if_not);
+  }
   return s;
 }
 

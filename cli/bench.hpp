@@ -29,7 +29,8 @@ struct BenchConfig {
   std::optional<int> threads;       // default: every core OpenMP sees
   int repeats = 10;
   int warmup = 2;
-  std::string impl = "auto";        // fused | reference | auto
+  std::string impl = "auto";        // fused | reference | auto: the kernel family
+  std::string kernel;               // a registered kernel forced by name ("" = the family's best)
   bool backward = false;            // time the backward pass
   bool json = false;
   bool peak_only = false;
@@ -59,6 +60,8 @@ struct BenchResult {
   std::string blas_config;       // openblas_get_config(), or ""
   std::string openblas_coretype; // $OPENBLAS_CORETYPE, or "" if unset
   std::string simd;              // ISA of the peak probe
+  std::string kernel;            // the SDPA kernel that ran (attn::sdpa_kernel_name)
+  std::string cpu;               // attn::cpu_description(): model and detected features
 };
 
 // Sets the OpenMP and OpenBLAS thread counts, measures the peak, then times the call: `warmup`
@@ -73,5 +76,9 @@ std::string format_table(const BenchConfig& config, const BenchResult& result);
 int run_bench_command(const BenchConfig& config, std::ostream& out, std::ostream& err);
 
 double median(std::vector<double> values);
+
+// `attn kernels`: every registered SDPA kernel, its dtypes, and whether it runs on this CPU (with
+// the reason if not), under the CPU's description.
+std::string format_kernels();
 
 }  // namespace attn::bench

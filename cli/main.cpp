@@ -57,7 +57,8 @@ int run(int argc, char** argv) {
       "attn: attention mechanisms of transformer language models, with PyTorch's numbers.\n"
       "Run `attn demo` to walk through chapter 3 of \"Build a Large Language Model (From\n"
       "Scratch)\": every tensor printed is the one PyTorch prints for the same code and seed.\n"
-      "Run `attn bench` to time the attention kernels against the machine's FMA peak.\n"
+      "Run `attn bench` to time the attention kernels against the machine's FMA peak\n"
+      "(`attn kernels` lists them and whether this CPU runs each).\n"
       "Run `attn train` to train a tiny GPT on a task that needs attention, then `attn generate`\n"
       "and `attn heatmap` to decode with a KV cache and to see where its heads look."};
   app.require_subcommand(1);
@@ -98,13 +99,21 @@ int run(int argc, char** argv) {
       "--threads", threads, "OpenMP and OpenBLAS threads (default: every core)");
   bench->add_option("--repeats", bench_config.repeats, "Timed runs")->capture_default_str();
   bench->add_option("--warmup", bench_config.warmup, "Untimed runs first")->capture_default_str();
-  bench->add_option("--impl", bench_config.impl, "fused, reference or auto")->capture_default_str();
+  bench->add_option("--impl", bench_config.impl,
+                    "Kernel family: fused, reference or auto (the best kernel that takes the call)")
+      ->capture_default_str();
+  bench->add_option("--kernel", bench_config.kernel,
+                    "Force one registered kernel by name (`attn kernels` lists them), e.g. "
+                    "cpu.flash.avx2");
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
                   "the forward's, as FlashAttention does");
   bench->add_flag("--json", bench_config.json, "Print one JSON object instead of the table");
   bench->add_flag("--peak-only", bench_config.peak_only,
                   "Only measure the FMA peak on --threads threads");
+
+  CLI::App* kernels = app.add_subcommand(
+      "kernels", "List the SDPA kernels, their dtypes and whether they run on this CPU (and why not)");
 
   const std::function<int()> run_train = attn::cli::add_train_command(app);
   const std::function<int()> run_generate = attn::cli::add_generate_command(app);
@@ -121,6 +130,10 @@ int run(int argc, char** argv) {
     if (app.got_subcommand("train")) return run_train();
     if (app.got_subcommand("generate")) return run_generate();
     if (app.got_subcommand("heatmap")) return run_heatmap();
+    if (kernels->parsed()) {
+      std::cout << attn::bench::format_kernels();
+      return 0;
+    }
     if (bench->parsed()) {
       if (kv_heads_opt->count() > 0) bench_config.kv_heads = kv_heads;
       if (seq_kv_opt->count() > 0) bench_config.seq_kv = seq_kv;

@@ -18,7 +18,7 @@
 
 namespace attn {
 
-// ---- elementwise and reductions (src/reference/elementwise.cpp) -------------------------------
+// ---- elementwise and reductions (src/ops/elementwise.cpp) -------------------------------------
 Tensor add(const TensorView& a, const TensorView& b);
 Tensor sub(const TensorView& a, const TensorView& b);
 Tensor mul(const TensorView& a, const TensorView& b);
@@ -36,13 +36,13 @@ Tensor var(const TensorView& x, bool unbiased = true);
 Tensor cat(std::span<const TensorView> tensors, int dim);
 Tensor stack(std::span<const TensorView> tensors, int dim);
 
-// ---- matrix products (src/reference/matmul.cpp; CBLAS sgemm) --------------------------------
+// ---- matrix products (src/ops/matmul.cpp; CBLAS sgemm) --------------------------------------
 // torch.matmul: 1-D·1-D (dot, 0-D result), 2-D @ 2-D, 1-D/2-D mixes, and batched N-D with
 // broadcast batch dims. Transposed views are passed to BLAS without copying.
 Tensor matmul(const TensorView& a, const TensorView& b);
 Tensor dot(const TensorView& a, const TensorView& b);
 
-// ---- softmax (src/reference/softmax.cpp) -----------------------------------------------------
+// ---- softmax (src/ops/softmax.cpp) -----------------------------------------------------------
 // Stable softmax: exp(x - max) / sum. A row that is entirely -inf gives NaN, as in PyTorch's
 // torch.softmax; scaled_dot_product_attention instead defines fully masked rows as 0.
 Tensor softmax(const TensorView& x, int dim);
@@ -50,7 +50,7 @@ Tensor softmax(const TensorView& x, int dim);
 // the lesson); kept for teaching, never used by attention.
 Tensor softmax_naive(const TensorView& x, int dim);
 
-// ---- masks, layers (src/reference/nn_ops.cpp) ------------------------------------------------
+// ---- masks, layers (src/ops/nn_ops.cpp) ------------------------------------------------------
 // x.masked_fill(mask, value): where mask != 0 (PyTorch: True) the result is `value`. The mask
 // broadcasts to x's shape.
 Tensor masked_fill(const TensorView& x, const TensorView& mask, float value);
@@ -79,7 +79,7 @@ struct DropoutResult {
 DropoutResult dropout_with_mask(const TensorView& x, float p, bool training = true,
                                 Generator& gen = default_generator());
 
-// ---- norms, activations, losses (src/reference/norm_act_loss.cpp) ---------------------------
+// ---- norms, activations, losses (src/ops/norm_act_loss.cpp) ---------------------------------
 // F.layer_norm over the last dim: normalized_shape must be [C] with C = x.size(-1).
 // weight, bias: (C) or undefined (no affine). Mean and variance (biased) in float64.
 Tensor layer_norm(const TensorView& x, const Shape& normalized_shape, const TensorView& weight = {},
@@ -97,7 +97,7 @@ Tensor cross_entropy(const TensorView& logits, std::span<const int64_t> targets)
 // A grad_out, mask or saved tensor of the wrong shape throws ShapeError naming the argument.
 // Nothing is accumulated: the caller (a module) adds parameter gradients where it keeps them.
 
-// (src/reference/backward.cpp)
+// (src/ops/backward.cpp)
 // linear: grad_out (..., out), x (..., in), weight (out, in).
 struct LinearGrads {
   Tensor grad_input;   // x's shape: grad_out @ weight
@@ -126,7 +126,7 @@ Tensor dropout_backward(const TensorView& grad_out, const TensorView& keep_mask,
 Tensor embedding_backward(const TensorView& grad_out, std::span<const int64_t> ids,
                           const Shape& ids_shape, int64_t num_embeddings);
 
-// (src/reference/norm_act_loss.cpp)
+// (src/ops/norm_act_loss.cpp)
 // layer_norm: grad_out and x (..., C); mean and rstd are recomputed from x exactly as the
 // forward computed them.
 struct LayerNormGrads {

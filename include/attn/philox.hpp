@@ -7,8 +7,8 @@
 // draw exactly the same dropout mask. PyTorch's CUDA dropout uses the same generator (with a
 // different counter layout, so the masks are not PyTorch's).
 //
-// Dropout mask, the contract every backend follows (src/reference and src/cpu both call
-// philox_dropout_keep or philox_dropout_keep_row below):
+// Dropout mask, the contract every backend follows (src/sdpa/reference and src/sdpa/cpu both
+// call philox_dropout_keep or philox_dropout_keep_row below):
 //   key     = { uint32(seed), uint32(seed >> 32) }
 //   counter = { uint32(i >> 2), uint32(j), uint32(bh), uint32(offset) }
 //   word    = philox4x32_10(counter, key)[i & 3]

@@ -20,8 +20,10 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "attn/dtype.hpp"
 #include "attn/random.hpp"
 #include "attn/tensor.hpp"
 
@@ -41,13 +43,17 @@ struct AttnMask {
   static AttnMask additive(TensorView v) { return {v, Kind::kAdditive}; }
 };
 
-// Which implementation computes the attention.
-//   kReference: materialises the L x S score matrix (src/reference); everything is tested
-//               against it, and the chapter's modules print through it.
-//   kFused:     the fused CPU kernel (src/cpu): tiles over query and key blocks with an online
-//               softmax, O(L) memory. Dropout needs DropoutRng::kPhilox there.
-//   kAuto:      kFused unless the call uses something only the reference supports
-//               (dropout with DropoutRng::kTorch), then kReference.
+// Which family of kernels computes the attention (SdpaOptions::kernel picks one kernel by name;
+// sdpa_kernels() lists them).
+//   kReference: materialises the L x S score matrix (src/sdpa/reference); everything is
+//               tested against it, and the chapter's modules print through it.
+//   kFused:     the fused CPU kernels (src/sdpa/cpu): tile over query and key blocks with an
+//               online softmax, O(L) memory, one build per instruction set ("cpu.flash.avx512",
+//               "cpu.flash.avx2", "cpu.flash.generic"), the best one this CPU runs first.
+//               Dropout needs DropoutRng::kPhilox there.
+//   kAuto:      the highest-priority kernel that takes the call: the best fused build unless
+//               the call uses something only the reference supports (dropout with
+//               DropoutRng::kTorch), then the reference.
 enum class SdpaBackend { kAuto, kReference, kFused };
 
 // Where the diagonal of an is_causal mask sits when L != S.
@@ -81,6 +87,12 @@ struct SdpaOptions {
   uint64_t dropout_seed = 0;          // kPhilox key
   uint64_t dropout_offset = 0;        // kPhilox: advance between calls for a fresh mask
   SdpaBackend backend = SdpaBackend::kAuto;
+  // A registered kernel by name ("reference", "cpu.flash.avx512", "cpu.flash.avx2",
+  // "cpu.flash.generic"; sdpa_kernels() lists them): that kernel runs, or the call throws
+  // ValueError with the reason it cannot (this CPU lacks a feature its build assumes, the options
+  // need something it lacks); an unknown name throws ValueError listing the registered ones.
+  // Empty: the backend family's highest-priority kernel that takes the call.
+  std::string kernel;
   int num_threads = 0;                // fused kernel threads; 0 = OpenMP's default
 };
 
@@ -110,8 +122,9 @@ SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorVie
 // Dropout: kPhilox masks are replayed from (dropout_seed, dropout_offset), exactly. A kTorch mask
 // cannot be drawn again (the generator has moved on), so the backward needs the forward's
 // post-dropout weights: run the forward with need_weights = true; without them it throws
-// ValueError. The backend follows options.backend as in the forward (kAuto: fused unless kTorch
-// dropout). The fused backward is deterministic: bit-identical gradients for any thread count.
+// ValueError. The kernel is chosen as in the forward (options.kernel, else options.backend's
+// family; kAuto: fused unless kTorch dropout). The fused backward is deterministic:
+// bit-identical gradients for any thread count.
 //
 // Bad input throws like the forward, plus ShapeError when grad_output, forward.output or
 // forward.lse do not have the forward's shapes and ValueError when forward.lse is missing.
@@ -125,6 +138,30 @@ SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
                                                 const TensorView& query, const TensorView& key,
                                                 const TensorView& value, const SdpaResult& forward,
                                                 const SdpaOptions& options = {});
+
+// ---- kernels ---------------------------------------------------------------------------------
+//
+// Every kernel behind scaled_dot_product_attention (and its backward, which makes the same
+// choice), highest priority first. runs_on_this_cpu is false when this CPU lacks a feature the
+// kernel's build assumes; reason_if_not then says which ("needs CPU features avx512f ... (this
+// CPU: avx2 fma f16c)").
+struct SdpaKernelInfo {
+  std::string name;
+  SdpaBackend family;         // kReference or kFused
+  std::vector<DType> dtypes;  // element types it computes in
+  bool runs_on_this_cpu;
+  std::string reason_if_not;
+};
+std::vector<SdpaKernelInfo> sdpa_kernels();
+
+// The name of the kernel scaled_dot_product_attention(query, key, value, options) would run;
+// throws exactly as that call would for arguments it rejects or a kernel that cannot take them.
+std::string sdpa_kernel_name(const TensorView& query, const TensorView& key,
+                             const TensorView& value, const SdpaOptions& options = {});
+
+// The CPU model and the features the kernel choice sees, e.g.
+// "Intel(R) Xeon(R) ... [avx2 fma f16c avx512f avx512dq avx512bw avx512vl]" (for bench output).
+std::string cpu_description();
 
 namespace reference {
 

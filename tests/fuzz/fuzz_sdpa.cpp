@@ -90,7 +90,25 @@ const float kBadDropouts[6] = {-0.1f, 1.5f, NAN, kInf, -kInf, 1.0000001f};
 const double kBadScales[6] = {NAN, std::numeric_limits<double>::infinity(),
                               -std::numeric_limits<double>::infinity(), 1e40, -3e38,
                               std::numeric_limits<double>::max()};
-const char* const kIsas[3] = {"", "avx2", "generic"};
+// The fused kernel a problem forces (SdpaOptions::kernel): "" lets the registry choose (the best
+// build), the others force a lower build. A build this CPU cannot run falls back to the choice,
+// so an input replays on any machine.
+const char* const kKernels[3] = {"", "cpu.flash.avx2", "cpu.flash.generic"};
+
+const char* runnable_kernel(int pick) {
+  static const std::vector<std::string> here = [] {
+    std::vector<std::string> names;
+    for (const SdpaKernelInfo& k : sdpa_kernels()) {
+      if (k.runs_on_this_cpu) names.push_back(k.name);
+    }
+    return names;
+  }();
+  const char* name = kKernels[pick];
+  for (const std::string& h : here) {
+    if (h == name) return name;
+  }
+  return "";
+}
 
 enum Invalid {
   kEmbedMismatch, kValueLengthMismatch, kRankMismatch, kLeadMismatch, kGqaNotDivisible,
@@ -119,7 +137,7 @@ struct Problem {
   uint32_t dropout_offset = 0;
   bool need_weights = false, need_lse = false, enable_gqa = false;
   int threads = 1;
-  int isa = 0;
+  int kernel = 0;  // index into kKernels
   int layout[3] = {0, 0, 0};
   uint64_t value_seed = 0;
   float mag[4] = {1, 1, 1, 1};
@@ -131,7 +149,7 @@ struct Problem {
 //   12 mask mode   13 flags (1 bottom-right, 2 need_weights, 4 need_lse, 8 two threads)
 //   14 mask rank   15 mask full/broadcast bits   16 mask layout   17 mask density
 //   18 scale   19 dropout   20 torch rng   21-28 dropout seed   29-32 dropout offset
-//   33 isa   34-36 layouts of q, k, v   37-44 value seed   45-48 magnitudes of q, k, v, mask
+//   33 kernel   34-36 layouts of q, k, v   37-44 value seed   45-48 magnitudes of q, k, v, mask
 //   then pokes of 4 bytes: tensor (q, k, v, mask), element index (u16), special value.
 Problem decode(ByteReader& in) {
   Problem p;
@@ -172,7 +190,7 @@ Problem decode(ByteReader& in) {
   p.torch_rng = in.u8() >= 224;
   p.dropout_seed = in.u64();
   p.dropout_offset = in.u32();
-  p.isa = in.pick(3);
+  p.kernel = in.pick(3);
   for (int& l : p.layout) l = in.pick(7);
   p.value_seed = in.u64();
   for (float& m : p.mag) m = kMagnitudes[in.u8() % 8];
@@ -256,12 +274,12 @@ std::string describe(const Problem& p) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "rank %d B %lld Hq %lld Hkv %lld L %lld S %lld E %lld Ev %lld gqa %d mask_mode %d br %d "
-                "mask_rank %d scale %s%g dropout %g torch %d weights %d lse %d threads %d isa '%s' "
+                "mask_rank %d scale %s%g dropout %g torch %d weights %d lse %d threads %d kernel '%s' "
                 "layouts %d %d %d",
                 p.rank, (long long)p.B, (long long)p.Hq, (long long)p.Hkv, (long long)p.L, (long long)p.S,
                 (long long)p.E, (long long)p.Ev, p.enable_gqa, p.mask_mode, p.bottom_right, p.mask_rank,
                 p.scale ? "" : "default ", p.scale ? *p.scale : 0.0, p.dropout_p, p.torch_rng,
-                p.need_weights, p.need_lse, p.threads, kIsas[p.isa], p.layout[0], p.layout[1], p.layout[2]);
+                p.need_weights, p.need_lse, p.threads, runnable_kernel(p.kernel), p.layout[0], p.layout[1], p.layout[2]);
   return buf;
 }
 
@@ -437,7 +455,6 @@ void run(ByteReader& in) {
   o.dropout_seed = p.dropout_seed;
   o.dropout_offset = p.dropout_offset;
   o.num_threads = p.threads;
-  setenv("ATTN_CPU_ISA", kIsas[p.isa], 1);
 
   const TensorView qv = undefined_operand == 0 ? TensorView() : q.view;
   const TensorView kv = undefined_operand == 1 ? TensorView() : k.view;
@@ -447,6 +464,12 @@ void run(ByteReader& in) {
   auto call = [&](SdpaBackend backend, uint64_t gen_seed, SdpaResult* out, int threads = 0) {
     SdpaOptions oo = o;
     oo.backend = backend;
+    // The forced build serves kAuto too (so that kAuto and kFused must agree bit for bit),
+    // except where kAuto must fall back to the reference (torch-stream dropout).
+    const bool torch_stream = o.dropout_p > 0.0f && o.dropout_rng == DropoutRng::kTorch;
+    if (backend == SdpaBackend::kFused || (backend == SdpaBackend::kAuto && !torch_stream)) {
+      oo.kernel = runnable_kernel(p.kernel);
+    }
     if (threads > 0) oo.num_threads = threads;
     Generator gen(gen_seed);
     oo.generator = &gen;

@@ -54,6 +54,16 @@ using attn::TensorView;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// True if `kernel` is "" (the registry chooses) or a registered kernel this CPU runs: a lower
+// build is forced by name only where it can run, so a run means the same on any machine.
+bool runs_here(const std::string& kernel) {
+  if (kernel.empty()) return true;
+  for (const attn::SdpaKernelInfo& k : attn::sdpa_kernels()) {
+    if (k.name == kernel) return k.runs_on_this_cpu;
+  }
+  return false;
+}
+
 struct Rng {
   std::mt19937_64 g;
   explicit Rng(uint64_t seed) : g(seed) {}
@@ -154,7 +164,7 @@ struct Problem {
   TensorView q, k, v;
   SdpaOptions options;
   int threads_a = 1, threads_b = 2;
-  std::string isa;
+  std::string kernel;  // fused kernel forced by name; "" = the registry's choice
   double cost = 0;  // B*H*L*S*(E+Ev)
 };
 
@@ -250,18 +260,19 @@ Problem draw(uint64_t seed) {
   o.need_weights = rng.coin(0.3);
   p.threads_a = static_cast<int>(rng.uniform(0, 4));  // 0: OpenMP's default
   p.threads_b = static_cast<int>(rng.uniform(1, 4));
-  p.isa = rng.pick<std::string>({"", "", "avx2", "generic"});
+  p.kernel = rng.pick<std::string>({"", "", "cpu.flash.avx2", "cpu.flash.generic"});
+  if (!runs_here(p.kernel)) p.kernel.clear();
 
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "rank%d B%lld Hq%lld Hkv%lld%s L%lld S%lld E%lld Ev%lld q:%s*%g k:%s v:%s mask:%s p%.1f "
-                "scale:%s lse%d w%d threads%d/%d isa:%s",
+                "scale:%s lse%d w%d threads%d/%d kernel:%s",
                 nd, static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Hkv),
                 o.enable_gqa ? "(gqa)" : "", static_cast<long long>(L), static_cast<long long>(S),
                 static_cast<long long>(E), static_cast<long long>(Ev), layout_name(lq), qscale, layout_name(lk),
                 layout_name(lv), mask_text.c_str(), o.dropout_p,
                 o.scale ? std::to_string(*o.scale).c_str() : "default", o.need_lse, o.need_weights,
-                p.threads_a, p.threads_b, p.isa.empty() ? "best" : p.isa.c_str());
+                p.threads_a, p.threads_b, p.kernel.empty() ? "best" : p.kernel.c_str());
   p.text = buf;
   return p;
 }
@@ -307,15 +318,11 @@ std::vector<float> values(const Tensor& t) { return t.defined() ? t.to_vector() 
 // `hard` set unless only error bounds were exceeded.
 std::string check(const Problem& p, Stats& st, bool verbose, bool& hard) {
   hard = false;
-  if (p.isa.empty()) {
-    unsetenv("ATTN_CPU_ISA");
-  } else {
-    setenv("ATTN_CPU_ISA", p.isa.c_str(), 1);
-  }
   SdpaOptions ref = p.options;
   ref.backend = SdpaBackend::kReference;
   SdpaOptions fused = p.options;
   fused.backend = SdpaBackend::kFused;
+  fused.kernel = p.kernel;
   fused.num_threads = p.threads_a;
 
   const SdpaResult r = attn::scaled_dot_product_attention(p.q, p.k, p.v, ref);

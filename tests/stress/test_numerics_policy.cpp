@@ -1,6 +1,6 @@
 // The NaN/Inf policy of docs/NUMERICS.md, checked on both backends (and the float64 truth where
 // it follows the same rule). The single-backend tests that the document also cites live in
-// tests/cpu/test_flash_fwd.cpp (FlashForwardNumerics.*) and tests/reference/test_sdpa.cpp
+// tests/sdpa/cpu/test_flash_fwd.cpp (FlashForwardNumerics.*) and tests/sdpa/reference/test_sdpa.cpp
 // (SdpaFullyMaskedRows.*, SdpaNaN.*, SdpaLse.*); this file closes the gaps between them: weights
 // of fully masked rows on the fused kernel, dropout-zeroed values, additive -inf next to a NaN
 // score, weights that underflow to 0, dropout_p = 1.

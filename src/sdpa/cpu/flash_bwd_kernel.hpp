@@ -1,0 +1,255 @@
+// Fused attention backward for one query head (FlashAttention-2's backward on a CPU).
+//
+// Included after flash_kernel.hpp by the per-ISA files (same W, vf, scores_block, mask_block,
+// exp2v). Given the forward's output O and LSE, and dO:
+//   D_i  = rowsum(dO_i * O_i)                         once per head
+//   for each key block (kBK keys), for each query block (kBQ queries) that sees it:
+//     S^T  = K_blk Q_blk^T           (kBK, kBQ)   scores_block, as the forward
+//     P^T  = exp2(S^T * scale log2 e - lse2)        lse2 = the forward's LSE in base 2
+//     dP^T = V_blk dO_blk^T          (kBK, kBQ)   scores_block again, with dO^T for Q^T
+//     dV_blk += P_d^T dO_blk,  dS^T = P^T (dP^T - D) scale
+//     dK_blk += dS^T Q_blk,    dQ_blk += dS K_blk
+// Five products per (key, query) pair, counted as FlashAttention does (2.5x the forward).
+// Keys are the outer loop (groups of kKeyGroup blocks), so dK and dV of a group stay in a small
+// accumulator and are written once; dQ is accumulated across key groups in a per-head buffer. Nothing L x S is
+// stored: the only O(L) state per head is Q^T and dO^T packed by query block, dQ's accumulator,
+// lse2 and D (plus padded row copies of Q and dO when E or Ev is not a multiple of W).
+//
+// The rank updates (dV, dK, dQ) run in register tiles of kRT rows x CV vectors: per reduction
+// step CV loads of a B row, kRT broadcasts of A and kRT*CV FMAs, like the forward's P @ V.
+//
+// Determinism: one thread runs a whole head in a fixed order, so the sums are the same for any
+// thread count. Numerics as the forward: dS is exactly 0 where P is 0 (masked keys, fully
+// masked rows), and with guard (a non-finite input) a zero A never multiplies a B row, so
+// NaN/Inf at excluded positions never reach a gradient.
+#include <cstring>
+
+namespace attn::cpu::ATTN_SIMD_NS {
+
+inline int64_t round_up(int64_t x) { return (x + W - 1) / W * W; }
+
+// Key blocks per pass over the queries: each pass streams the head's packed Q^T, dO^T, Q, dO
+// and dQ rows once (5 L x E floats, far beyond L2 at long L), so a group of 4 key blocks cuts
+// that traffic 4x while the group's dK, dV accumulators (4 x 64 rows) stay in L2.
+constexpr int64_t kKeyGroup = 4;
+constexpr int64_t kBwdEChunk = 64;
+
+inline int64_t backward_workspace_floats(int64_t L, int64_t E, int64_t Ev) {
+  const int64_t lp = (L + kBQ - 1) / kBQ * kBQ, ep = round_up(E), evp = round_up(Ev);
+  return lp * (E + Ev)              // Q^T, dO^T packed per query block
+         + lp * ep                  // dQ accumulator
+         + 2 * lp                   // lse2, D
+         + (E % W ? lp * ep : 0)    // padded Q rows
+         + (Ev % W ? lp * evp : 0)  // padded dO rows
+         + 3 * kBK * kBQ            // S^T / P^T / dS^T, dP^T, P_d^T
+         + kKeyGroup * kBK * (ep + evp)  // dK, dV accumulators of a key group
+         + kKeyGroup * kBK * ep;         // padded K rows
+}
+
+// out[r][c] += sum_{t < T} A(r, t) * b[t][c] for r in [0, R), c in [0, n) (n a multiple of W),
+// A(r, t) = a[r * a_r + t * a_t]. With kGuard a zero A(r, t) skips row t of b.
+template <int RT, int CV, bool kGuard>
+inline void rank_tile(const float* a, int64_t a_r, int64_t a_t, const float* b, int64_t ldb,
+                      int64_t T, float* out, int64_t ldo) {
+  vf acc[RT][CV];
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < CV; ++c) acc[r][c] = load(out + r * ldo + c * W);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    vf bt[CV];
+    for (int c = 0; c < CV; ++c) bt[c] = load(b + t * ldb + c * W);
+    for (int r = 0; r < RT; ++r) {
+      const float x = a[r * a_r + t * a_t];
+      if constexpr (kGuard) {
+        if (x == 0.0f) continue;
+      }
+      const vf xb = splat(x);
+      for (int c = 0; c < CV; ++c) acc[r][c] += xb * bt[c];
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < CV; ++c) store(out + r * ldo + c * W, acc[r][c]);
+  }
+}
+
+template <int RT, bool kGuard>
+inline void rank_rows(const float* a, int64_t a_r, int64_t a_t, const float* b, int64_t ldb,
+                      int64_t T, int64_t n, float* out, int64_t ldo) {
+  constexpr int kCV = W >= 16 ? 4 : 2;
+  int64_t c = 0;
+  for (; c + kCV * W <= n; c += kCV * W) rank_tile<RT, kCV, kGuard>(a, a_r, a_t, b + c, ldb, T, out + c, ldo);
+  for (; c < n; c += W) rank_tile<RT, 1, kGuard>(a, a_r, a_t, b + c, ldb, T, out + c, ldo);
+}
+
+// out (R x n) += A (R x T) @ b (T x n): rows in tiles of 4, then one at a time.
+template <bool kGuard>
+inline void rank_update(const float* a, int64_t a_r, int64_t a_t, const float* b, int64_t ldb,
+                        int64_t T, int64_t R, int64_t n, float* out, int64_t ldo) {
+  constexpr int kRT = 4;
+  const int64_t tiled = R / kRT * kRT;
+  for (int64_t r = 0; r < tiled; r += kRT) {
+    rank_rows<kRT, kGuard>(a + r * a_r, a_r, a_t, b, ldb, T, n, out + r * ldo, ldo);
+  }
+  for (int64_t r = tiled; r < R; ++r) rank_rows<1, kGuard>(a + r * a_r, a_r, a_t, b, ldb, T, n, out + r * ldo, ldo);
+}
+
+// Rows [0, n) of src (row stride ld, `cols` valid columns) as (n, width) rows padded with zeros.
+inline void pack_rows(const float* src, int64_t ld, int64_t n, int64_t cols, int64_t width, float* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    std::memcpy(dst + r * width, src + r * ld, static_cast<size_t>(cols) * sizeof(float));
+    zero(dst + r * width + cols, width - cols);
+  }
+}
+
+// X^T of every query block: block qb holds (cols, kBQ) with lane q = row qb * kBQ + q (zero
+// beyond L), the layout scores_block reads as its "Q^T".
+inline void pack_transposed(const float* src, int64_t ld, int64_t L, int64_t cols, float* dst) {
+  for (int64_t i0 = 0; i0 < L; i0 += kBQ) {
+    float* blk = dst + i0 * cols;
+    const int64_t nq = imin(kBQ, L - i0);
+    for (int64_t e = 0; e < cols; ++e) {
+      for (int64_t q = 0; q < kBQ; ++q) blk[e * kBQ + q] = q < nq ? src[(i0 + q) * ld + e] : 0.0f;
+    }
+  }
+}
+
+// dP^T of dropped weights is 0 (their P_d does not depend on P); kept ones scale by 1/(1-p).
+inline void dropout_grad_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* dpt) {
+  const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    for (int64_t q = 0; q < b.nq; ++q) {
+      float& x = dpt[jj * kBQ + q];
+      x = dropout_keep(p, b.bh, b.i0 + q, j0 + jj) ? x * inv_keep : 0.0f;
+    }
+  }
+}
+
+template <bool kGuard>
+inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, float* ws) {
+  const int64_t L = p.L, E = p.E, Ev = p.Ev;
+  const int64_t lp = (L + kBQ - 1) / kBQ * kBQ, ep = round_up(E), evp = round_up(Ev);
+  float* qt = ws;                    // lp * E
+  float* dot = qt + lp * E;          // lp * Ev
+  float* dq = dot + lp * Ev;         // lp * ep
+  float* lse2 = dq + lp * ep;        // lp
+  float* dd = lse2 + lp;             // lp
+  float* tail = dd + lp;
+  const float* qrows = h.q;
+  int64_t q_ld = p.q_row;
+  if (E % W != 0) {
+    pack_rows(h.q, p.q_row, L, E, ep, tail);
+    qrows = tail, q_ld = ep, tail += lp * ep;
+  }
+  const float* dorows = h.dout;
+  int64_t do_ld = h.do_row;
+  if (Ev % W != 0) {
+    pack_rows(h.dout, h.do_row, L, Ev, evp, tail);
+    dorows = tail, do_ld = evp, tail += lp * evp;
+  }
+  float* st = tail;                  // kBK * kBQ: S^T, then P^T, then dS^T
+  float* dpt = st + kBK * kBQ;       // dP^T
+  float* pdt = dpt + kBK * kBQ;      // P_d^T (dropout only)
+  float* dkb = pdt + kBK * kBQ;              // kKeyGroup * kBK * ep
+  float* dvb = dkb + kKeyGroup * kBK * ep;   // kKeyGroup * kBK * evp
+  float* kpack = dvb + kKeyGroup * kBK * evp;  // kKeyGroup * kBK * ep
+
+  pack_transposed(h.q, p.q_row, L, E, qt);
+  pack_transposed(h.dout, h.do_row, L, Ev, dot);
+  zero(dq, lp * ep);
+  for (int64_t i = 0; i < lp; ++i) {
+    if (i >= L) {
+      lse2[i] = std::numeric_limits<float>::infinity();  // padding lanes: P = 0
+      dd[i] = 0.0f;
+      continue;
+    }
+    const float l = h.lse[i];
+    lse2[i] = l == kNegInf ? std::numeric_limits<float>::infinity()
+                           : static_cast<float>(static_cast<double>(l) * std::numbers::log2e);
+    float d = 0.0f;
+    for (int64_t e = 0; e < Ev; ++e) d += h.dout[i * h.do_row + e] * h.o[i * h.o_row + e];
+    dd[i] = d;
+  }
+
+  const float scale = p.scale;
+  constexpr int64_t kGK = kKeyGroup * kBK;
+  for (int64_t g0 = 0; g0 < p.S; g0 += kGK) {
+    const int64_t ng = imin(kGK, p.S - g0);
+    // Causal: query i sees key j iff j <= i + offset, so the group is seen from row g0 - offset.
+    int64_t i_first = 0;
+    if (p.causal) {
+      i_first = g0 - p.causal_offset;
+      if (i_first >= L) break;  // later keys are hidden from every query
+      if (i_first < 0) i_first = 0;
+      i_first = i_first / kBQ * kBQ;
+    }
+    zero(dkb, kGK * ep);
+    zero(dvb, kGK * evp);
+    const float* krows = h.k + g0 * p.k_row;
+    int64_t k_ld = p.k_row;
+    if (E % W != 0) {
+      pack_rows(krows, p.k_row, ng, E, ep, kpack);
+      krows = kpack, k_ld = ep;
+    }
+    for (int64_t i0 = i_first; i0 < L; i0 += kBQ) {
+      FlashBlock b{};
+      b.i0 = i0;
+      b.nq = imin(kBQ, L - i0);
+      b.bh = h.bh;
+      if (h.mask != nullptr) b.mask = h.mask + i0 * p.mask_row;
+      const float* qtb = qt + i0 * E;
+      const float* dotb = dot + i0 * Ev;
+      const vf l0 = load(lse2 + i0), l1 = load(lse2 + i0 + W);
+      const vf d0 = load(dd + i0), d1 = load(dd + i0 + W);
+      for (int64_t j0 = g0; j0 < g0 + ng; j0 += kBK) {
+        if (p.causal && j0 > i0 + b.nq - 1 + p.causal_offset) break;  // hidden from the block
+        const int64_t nk = imin(kBK, g0 + ng - j0), kk = j0 - g0;
+
+        scores_block(qtb, h.k, p.k_row, E, j0, nk, p.scale_log2, st, kBwdEChunk);
+        mask_block(p, b, j0, nk, st);
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          const vf x0 = load(st + jj * kBQ) - l0, x1 = load(st + jj * kBQ + W) - l1;
+          store(st + jj * kBQ, exp2v(x0 > 0.0f ? splat(0.0f) : x0));
+          store(st + jj * kBQ + W, exp2v(x1 > 0.0f ? splat(0.0f) : x1));
+        }
+        scores_block(dotb, h.v, p.v_row, Ev, j0, nk, 1.0f, dpt, kBwdEChunk);
+        const float* pd = st;
+        if (p.dropout_p > 0.0f) {
+          std::memcpy(pdt, st, static_cast<size_t>(nk * kBQ) * sizeof(float));
+          dropout_block(p, b, j0, nk, pdt);
+          dropout_grad_block(p, b, j0, nk, dpt);
+          pd = pdt;
+        }
+        // dV_blk (nk x Ev) += P_d^T (nk x nq) @ dO rows (nq x Ev)
+        rank_update<kGuard>(pd, kBQ, 1, dorows + i0 * do_ld, do_ld, b.nq, nk, evp, dvb + kk * evp, evp);
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          for (int hh = 0; hh < 2; ++hh) {
+            const vf pv = load(st + jj * kBQ + hh * W), dp = load(dpt + jj * kBQ + hh * W);
+            const vf ds = pv * (dp - (hh == 0 ? d0 : d1)) * scale;
+            store(st + jj * kBQ + hh * W, pv == 0.0f ? splat(0.0f) : ds);
+          }
+        }
+        // dK_blk (nk x E) += dS^T (nk x nq) @ Q rows (nq x E)
+        rank_update<kGuard>(st, kBQ, 1, qrows + i0 * q_ld, q_ld, b.nq, nk, ep, dkb + kk * ep, ep);
+        // dQ rows (kBQ x E) += dS (kBQ x nk) @ K rows (nk x E)
+        rank_update<kGuard>(st, 1, kBQ, krows + kk * k_ld, k_ld, nk, kBQ, ep, dq + i0 * ep, ep);
+      }
+    }
+    for (int64_t jj = 0; jj < ng; ++jj) {
+      float* dk = h.dk + (g0 + jj) * E;
+      float* dv = h.dv + (g0 + jj) * Ev;
+      for (int64_t e = 0; e < E; ++e) dk[e] += dkb[jj * ep + e];
+      for (int64_t e = 0; e < Ev; ++e) dv[e] += dvb[jj * evp + e];
+    }
+  }
+  for (int64_t i = 0; i < L; ++i) std::memcpy(h.dq + i * E, dq + i * ep, static_cast<size_t>(E) * sizeof(float));
+}
+
+inline void backward_head(const FlashBwdParams& p, const FlashBwdHead& h, float* ws) {
+  if (p.guard_v) {
+    backward_head_impl<true>(p, h, ws);
+  } else {
+    backward_head_impl<false>(p, h, ws);
+  }
+}
+
+}  // namespace attn::cpu::ATTN_SIMD_NS

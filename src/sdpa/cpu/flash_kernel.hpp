@@ -1,0 +1,337 @@
+// Fused attention forward for one block of queries (FlashAttention-2's algorithm on a CPU).
+//
+// Included by flash_avx512.cpp, flash_avx2.cpp and flash_generic.cpp, each compiling it with
+// its own -m flags, vector width W (16, 8, 4 floats) and namespace; the registry picks one at
+// run time. Written with GCC vector extensions: `vf` is one SIMD register of W floats, and
+// `acc += a * b` becomes an FMA (these files build with -ffp-contract=fast).
+//
+// Shapes and tiling, for a block of BQ = 2W queries of one (batch, head):
+//   qt  (E, BQ)    Q^T of the block, packed once per block
+//   st  (BK, BQ)   scores S^T of one key block: one row per key, one lane per query, so the
+//                  softmax's max and sum over keys are vertical (lane-wise) operations and
+//                  the causal mask is a per-row lane comparison
+//   ob  (BQ, Evp)  output accumulator; rescaled by exp2(m_old - m_new) when the max grows
+// S^T is computed in register tiles of JT keys x 2 vectors of queries: per step of E, two
+// loads of qt, JT broadcasts of k[j][e] and 2*JT FMAs. P @ V runs in tiles of RT query rows x
+// CV vectors of Ev: per key, CV loads of v[j], RT broadcasts of p and RT*CV FMAs.
+// Memory traffic per block: K and V of the head stream through once; nothing of size L x S
+// is ever stored (except the weights a caller asked for in the second pass).
+//
+// Numerics: scores are base-2 (exp2 of scaled scores); a row with no visible key ends with
+// l = 0 and gets output 0 and LSE -inf; masked positions are assigned -inf (never added), so
+// NaN/Inf in an excluded key cannot leak; with guard_v a zero weight never multiplies V.
+//
+// This header is compiled with different -m flags in several files, so it defines only
+// functions inside its per-ISA namespace and calls no std:: template: the linker keeps one copy
+// of each inline template, and an AVX-512 copy must never serve the other builds.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numbers>
+
+#include "sdpa/cpu/flash_params.hpp"
+
+namespace attn::cpu::ATTN_SIMD_NS {
+
+constexpr int W = ATTN_SIMD_WIDTH;
+using vf = float __attribute__((vector_size(W * sizeof(float))));
+using vi = int32_t __attribute__((vector_size(W * sizeof(float))));
+
+constexpr int64_t kBQ = 2 * W;       // queries per block (two vectors)
+constexpr int64_t kBK = 64;          // keys per key block
+constexpr int kJT = W >= 16 ? 8 : 4; // keys per S^T register tile (2*kJT accumulators)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// Broadcast. Written `x - 0` because subtracting +0 is an identity (so it compiles to one
+// vbroadcastss); `x + 0` is not (for x = -0) and a lane-by-lane loop becomes masked inserts.
+inline vf splat(float x) { return x - vf{}; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline void zero(float* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = 0.0f;
+}
+
+// 2^x, accurate to ~2 ulp on [-126, 0]; exactly 0 below -126 (so -inf -> 0); NaN stays NaN.
+inline vf exp2v(vf x) {
+  const vf xc = vmax(x, splat(-126.0f));
+  const vf n = (xc + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const vf f = xc - n;                              // in [-0.5, 0.5]
+  // Taylor series of 2^f = e^(f ln 2) to degree 7: relative error < 1e-8 on [-0.5, 0.5].
+  vf p = splat(1.5252733804059841e-05f);
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  vf r = p * scale;
+  r = x < -126.0f ? splat(0.0f) : r;
+  return x != x ? x : r;
+}
+
+inline int64_t workspace_floats(int64_t E, int64_t Ev) {
+  const int64_t evp = (Ev + W - 1) / W * W;
+  return E * kBQ + kBK * kBQ + kBQ * evp + kBK * evp + 4 * kBQ;
+}
+
+// S^T[jj][lane] = sum_e k[j0 + jj][e] * qt[e][lane] for jj in [0, nk).
+// E is summed in chunks of kEChunk whose partial sums are added into st: one long FMA chain
+// over E = 128 loses up to ~6x the accuracy of BLAS's blocked sums on large scores, which the
+// softmax then amplifies; chunking keeps the error at the reference's level for ~3 % more work.
+constexpr int64_t kEChunk = 16;
+
+template <int JT>
+inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t e0, int64_t e1,
+                        bool first, float* st) {
+  vf acc[JT][2] = {};
+  for (int64_t e = e0; e < e1; ++e) {
+    const vf q0 = load(qt + e * kBQ), q1 = load(qt + e * kBQ + W);
+    for (int t = 0; t < JT; ++t) {
+      const vf kb = splat(kr[t * k_row + e]);
+      acc[t][0] += kb * q0;
+      acc[t][1] += kb * q1;
+    }
+  }
+  for (int t = 0; t < JT; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      float* dst = st + t * kBQ + h * W;
+      store(dst, first ? acc[t][h] : load(dst) + acc[t][h]);
+    }
+  }
+}
+
+// Then the scale (times log2 e) is applied to each finished score, once, as the reference does:
+// folding it into Q instead rounds every product q_e * k_e, an error that grows with the sum of
+// |q_e k_e| rather than with the score.
+inline void scores_block(const float* qt, const float* k, int64_t k_row, int64_t E, int64_t j0,
+                         int64_t nk, float scale_log2, float* st, int64_t chunk = kEChunk) {
+  for (int64_t e0 = 0; e0 < E; e0 += chunk) {
+    const int64_t e1 = imin(e0 + chunk, E);
+    int64_t jj = 0;
+    for (; jj + kJT <= nk; jj += kJT) {
+      scores_tile<kJT>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
+    }
+    for (; jj < nk; ++jj) scores_tile<1>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
+  }
+  if (scale_log2 == 1.0f) return;
+  for (int64_t i = 0; i < nk * kBQ; i += W) store(st + i, load(st + i) * scale_log2);
+}
+
+// Applies the causal and explicit masks to S^T (assigning -inf), in place.
+inline void mask_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* st) {
+  if (p.causal) {
+    // Key j is hidden from query i when j > i + offset; only blocks crossing the diagonal need it.
+    const int64_t first_hidden_row = b.i0 + p.causal_offset + 1;  // smallest j hidden from row i0
+    if (j0 + nk > first_hidden_row) {
+      vf lane_i;
+      for (int l = 0; l < W; ++l) lane_i[l] = static_cast<float>(l);
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        const int64_t j = j0 + jj;
+        // Lane q (query i0 + q) is hidden when q < j - offset - i0.
+        const float limit = static_cast<float>(j - p.causal_offset - b.i0);
+        for (int h = 0; h < 2; ++h) {
+          const vf qidx = lane_i + static_cast<float>(h * W);
+          const vf s = load(st + jj * kBQ + h * W);
+          store(st + jj * kBQ + h * W, qidx < limit ? splat(kNegInf) : s);
+        }
+      }
+    }
+  }
+  if (b.mask != nullptr) {
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      for (int64_t q = 0; q < b.nq; ++q) {
+        const float m = b.mask[q * p.mask_row + (j0 + jj) * p.mask_col];
+        float& s = st[jj * kBQ + q];
+        if (p.mask_is_bool) {
+          if (m == 0.0f) s = kNegInf;
+        } else {
+          s += m * std::numbers::log2e_v<float>;  // additive masks are in natural-log units
+        }
+      }
+    }
+  }
+}
+
+// Philox dropout on the probabilities P^T (already used for the row sums): dropped -> p * 0,
+// kept -> p / (1 - dropout_p). Multiplying by 0 (as PyTorch's dropout does) keeps a NaN
+// probability NaN, so a row with a NaN score is NaN whichever of its keys are dropped.
+inline void dropout_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* st) {
+  const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    for (int64_t q = 0; q < b.nq; ++q) {
+      float& x = st[jj * kBQ + q];
+      x = dropout_keep(p, b.bh, b.i0 + q, j0 + jj) ? x * inv_keep : x * 0.0f;
+    }
+  }
+}
+
+// ob[q][c0 : c0 + CV*W] += sum_jj P^T[jj][q] * v[j0 + jj][c0 : c0 + CV*W] for the block's rows.
+// CV is a compile-time constant so the RT x CV accumulators live in registers.
+template <int CV, bool kGuard>
+inline void pv_chunk(const float* st, const float* v, int64_t v_row, int64_t nk, int64_t evp,
+                     int64_t c0, float* ob) {
+  constexpr int kRT = 4;  // query rows per tile
+  for (int64_t r0 = 0; r0 < kBQ; r0 += kRT) {
+    vf acc[kRT][CV];
+    for (int r = 0; r < kRT; ++r) {
+      for (int c = 0; c < CV; ++c) acc[r][c] = load(ob + (r0 + r) * evp + c0 + c * W);
+    }
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      vf vj[CV];
+      for (int c = 0; c < CV; ++c) vj[c] = load(v + jj * v_row + c0 + c * W);
+      for (int r = 0; r < kRT; ++r) {
+        const float pr = st[jj * kBQ + r0 + r];
+        if constexpr (kGuard) {
+          if (pr == 0.0f) continue;  // a zero weight must not turn a NaN/Inf value into NaN
+        }
+        const vf pb = splat(pr);
+        for (int c = 0; c < CV; ++c) acc[r][c] += pb * vj[c];
+      }
+    }
+    for (int r = 0; r < kRT; ++r) {
+      for (int c = 0; c < CV; ++c) store(ob + (r0 + r) * evp + c0 + c * W, acc[r][c]);
+    }
+  }
+}
+
+// ob[q][:] += sum_jj P^T[jj][q] * v[j0 + jj][:] over Ev (padded to evp), in chunks of vectors.
+template <bool kGuard>
+inline void pv_block(const float* st, const float* v, int64_t v_row, int64_t nk, int64_t evp,
+                     float* ob) {
+  constexpr int kCV = W >= 16 ? 4 : 2;  // vectors of Ev per chunk
+  int64_t c0 = 0;
+  for (; c0 + kCV * W <= evp; c0 += kCV * W) pv_chunk<kCV, kGuard>(st, v, v_row, nk, evp, c0, ob);
+  for (; c0 < evp; c0 += W) pv_chunk<1, kGuard>(st, v, v_row, nk, evp, c0, ob);
+}
+
+// Forward pass over one block of queries: writes b.o (nq x Ev) and, if asked, b.lse.
+inline void forward_block(const FlashParams& p, const FlashBlock& b, float* ws) {
+  const int64_t evp = (p.Ev + W - 1) / W * W;
+  float* qt = ws;
+  float* st = qt + p.E * kBQ;
+  float* ob = st + kBK * kBQ;
+  float* vpack = ob + kBQ * evp;
+
+  // Q^T, scaled into base-2 units; padding lanes (q >= nq) are zero.
+  for (int64_t e = 0; e < p.E; ++e) {
+    for (int64_t q = 0; q < kBQ; ++q) {
+      qt[e * kBQ + q] = q < b.nq ? b.q[q * p.q_row + e] : 0.0f;
+    }
+  }
+  zero(ob, kBQ * evp);
+  vf m[2] = {splat(kNegInf), splat(kNegInf)}, l[2] = {splat(0.0f), splat(0.0f)};
+
+  // Keys beyond the last query's causal limit are hidden from the whole block.
+  int64_t s_end = p.S;
+  if (p.causal) {
+    s_end = imin(b.i0 + b.nq + p.causal_offset, p.S);
+    if (s_end < 0) s_end = 0;
+  }
+  const bool pack_v = p.Ev % W != 0;
+
+  for (int64_t j0 = 0; j0 < s_end; j0 += kBK) {
+    const int64_t nk = imin(kBK, s_end - j0);
+    scores_block(qt, b.k, p.k_row, p.E, j0, nk, p.scale_log2, st);
+    mask_block(p, b, j0, nk, st);
+
+    // Online softmax, lane-wise: new max, rescale factor, probabilities, row sums.
+    for (int h = 0; h < 2; ++h) {
+      vf mx = m[h];
+      for (int64_t jj = 0; jj < nk; ++jj) mx = vmax(mx, load(st + jj * kBQ + h * W));
+      // A lane whose keys are all hidden so far keeps max -inf; use 0 so exp2 gives 0, not NaN.
+      const vf msafe = mx == kNegInf ? splat(0.0f) : mx;
+      const vf alpha = exp2v(m[h] - msafe);
+      vf sum = {};
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        const vf pj = exp2v(load(st + jj * kBQ + h * W) - msafe);
+        store(st + jj * kBQ + h * W, pj);
+        sum += pj;
+      }
+      l[h] = l[h] * alpha + sum;
+      m[h] = mx;
+      for (int q = 0; q < W; ++q) {
+        float* row = ob + (h * W + q) * evp;
+        const vf a = splat(alpha[q]);
+        for (int64_t c = 0; c < evp; c += W) store(row + c, load(row + c) * a);
+      }
+    }
+    if (p.dropout_p > 0.0f) dropout_block(p, b, j0, nk, st);
+
+    const float* vb = b.v + j0 * p.v_row;
+    int64_t v_row = p.v_row;
+    if (pack_v) {  // pad rows to a whole number of vectors so loads stay in bounds
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        std::memcpy(vpack + jj * evp, vb + jj * p.v_row, p.Ev * sizeof(float));
+        zero(vpack + jj * evp + p.Ev, evp - p.Ev);
+      }
+      vb = vpack;
+      v_row = evp;
+    }
+    if (p.guard_v) {
+      pv_block<true>(st, vb, v_row, nk, evp, ob);
+    } else {
+      pv_block<false>(st, vb, v_row, nk, evp, ob);
+    }
+  }
+
+  // Normalise; a row with no visible key (l == 0) is 0 with LSE -inf.
+  for (int64_t q = 0; q < b.nq; ++q) {
+    const float lq = l[q / W][q % W], mq = m[q / W][q % W];
+    const float inv = lq > 0.0f ? 1.0f / lq : 0.0f;
+    float* out = b.o + q * p.o_row;
+    for (int64_t e = 0; e < p.Ev; ++e) out[e] = ob[q * evp + e] * inv;
+    if (b.lse != nullptr) {  // base 2; flash_forward converts to natural log at the very end
+      b.lse[q] = lq > 0.0f ? mq + __builtin_log2f(lq) : kNegInf;
+      if (lq != lq) b.lse[q] = lq;  // NaN propagates
+    }
+  }
+}
+
+// Second pass: attention weights exp(s - lse) for the block's rows, from the saved base-2 LSE
+// (read exactly as the forward pass wrote it, not round-tripped through natural log, whose two
+// roundings cost accuracy for large scores). The scores are recomputed; where a compiler rounds
+// the two passes' tilings differently (clang does not contract every product of both into the
+// same FMAs) a score can exceed lse2 by a few ulps, so s - lse2 is capped at 0: a weight is
+// never above 1 (NaN stays NaN).
+inline void weights_block(const FlashParams& p, const FlashBlock& b, float* ws) {
+  float* qt = ws;
+  float* st = qt + p.E * kBQ;
+  for (int64_t e = 0; e < p.E; ++e) {
+    for (int64_t q = 0; q < kBQ; ++q) {
+      qt[e * kBQ + q] = q < b.nq ? b.q[q * p.q_row + e] : 0.0f;
+    }
+  }
+  vf lse2[2];  // LSE in base 2; -inf rows produce weights 0
+  for (int64_t q = 0; q < kBQ; ++q) {
+    const float v = q < b.nq ? b.lse[q] : kNegInf;
+    lse2[q / W][q % W] = v == kNegInf ? std::numeric_limits<float>::infinity() : v;
+  }
+  for (int64_t j0 = 0; j0 < p.S; j0 += kBK) {
+    const int64_t nk = imin(kBK, p.S - j0);
+    scores_block(qt, b.k, p.k_row, p.E, j0, nk, p.scale_log2, st);
+    mask_block(p, b, j0, nk, st);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      for (int h = 0; h < 2; ++h) {
+        const vf x = load(st + jj * kBQ + h * W) - lse2[h];
+        store(st + jj * kBQ + h * W, exp2v(x > 0.0f ? splat(0.0f) : x));
+      }
+    }
+    if (p.dropout_p > 0.0f) dropout_block(p, b, j0, nk, st);
+    for (int64_t q = 0; q < b.nq; ++q) {
+      for (int64_t jj = 0; jj < nk; ++jj) b.weights[q * p.S + j0 + jj] = st[jj * kBQ + q];
+    }
+  }
+}
+
+}  // namespace attn::cpu::ATTN_SIMD_NS

@@ -1,0 +1,76 @@
+// Parameters of the fused attention kernel, shared by the driver (flash_fwd.cpp, flash_bwd.cpp)
+// and the per-ISA kernel builds (flash_kernel.hpp compiled as avx512, avx2 and generic).
+// FlashAttention's flash.h layout: one struct for the forward, extended by the backward's.
+#pragma once
+
+#include <cstdint>
+
+namespace attn::cpu {
+
+// One head's problem, FlashAttention-style: raw pointers and row strides (the last dim of q, k,
+// v and o is contiguous), sizes, scale, masking and dropout.
+struct FlashParams {
+  int64_t L = 0, S = 0, E = 0, Ev = 0;
+  int64_t q_row = 0, k_row = 0, v_row = 0, o_row = 0;  // element stride between rows
+
+  float scale_log2 = 0;   // softmax scale times log2(e): scores are kept in base 2
+  bool causal = false;
+  int64_t causal_offset = 0;  // key j is visible to query i iff j <= i + causal_offset
+
+  const float* mask = nullptr;      // per (b): mask[i * mask_row + j * mask_col], or nullptr
+  int64_t mask_row = 0, mask_col = 0;
+  bool mask_is_bool = true;
+
+  float dropout_p = 0;              // Philox dropout on the weights when > 0
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+  bool guard_v = false;             // v (backward: any input) holds NaN/Inf: never multiply it by a 0
+};
+
+// The backward's parameters: the forward's, plus what only the gradients need. Filled by
+// make_flash_bwd_params (flash_inputs.hpp) from the same problem as the forward's.
+struct FlashBwdParams : FlashParams {
+  float scale = 0;  // the softmax scale itself (the dS -> dQ, dK factor)
+};
+
+// One work item: a block of up to kBlockQ queries of one (batch, head).
+struct FlashBlock {
+  const float* q;   // first query row of the block
+  const float* k;   // key rows of this head
+  const float* v;
+  float* o;         // first output row of the block
+  float* lse;       // base-2 LSE of the block's rows (max + log2(sum)), or nullptr
+  float* weights;   // second pass only: (nq, S) rows of the attention weights, row stride S
+  const float* mask;  // the (i0, 0) element of this head's mask, or nullptr
+  int64_t i0, nq;   // first query index and number of queries
+  int64_t bh;       // flat batch*head index (dropout counter)
+};
+
+// One query head of the backward pass (flash_bwd_kernel.hpp): its inputs, the forward's output
+// and natural-log LSE, dO, and where its gradients go. dq is written (row stride E); dk and dv
+// belong to the key/value head and are accumulated into (+=), so the query heads of a GQA group,
+// visited in order by one thread, sum into them deterministically.
+struct FlashBwdHead {
+  const float* q;     // (L, E), row stride p.q_row
+  const float* k;     // (S, E), row stride p.k_row
+  const float* v;     // (S, Ev), row stride p.v_row
+  const float* o;     // (L, Ev), row stride o_row: the forward's output
+  const float* dout;  // (L, Ev), row stride do_row
+  int64_t o_row, do_row;
+  const float* lse;   // (L): the forward's LSE in natural log
+  const float* mask;  // the (0, 0) element of this head's mask, or nullptr
+  float* dq;          // (L, E), row stride E
+  float* dk;          // (S, E), row stride E
+  float* dv;          // (S, Ev), row stride Ev
+  int64_t bh;         // flat batch*head index of the query head (dropout counter)
+};
+
+// Philox keep decision for weight (bh, i, j), out of line (flash_fwd.cpp) so that the per-ISA
+// kernel builds include no inline code shared with the rest of the library.
+bool dropout_keep(const FlashParams& p, int64_t bh, int64_t i, int64_t j);
+
+// Per-thread scratch, sized by flash_workspace_floats().
+struct FlashWorkspace {
+  float* buf;
+};
+
+}  // namespace attn::cpu

@@ -1,0 +1,186 @@
+#include "sdpa/problem.hpp"
+
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <fmt/format.h>
+
+#include "attn/error.hpp"
+
+namespace attn::detail {
+
+namespace {
+// True if `from` broadcasts to exactly `to` (PyTorch's expand rules).
+bool broadcasts_to(const Shape& from, const Shape& to) {
+  if (from.ndim() == 0 || from.ndim() > to.ndim()) return false;
+  for (int i = 1; i <= from.ndim(); ++i) {
+    const int64_t f = from[from.ndim() - i], t = to[to.ndim() - i];
+    if (f != t && f != 1) return false;
+  }
+  return true;
+}
+}  // namespace
+
+SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const SdpaOptions& o) {
+  const char* names[3] = {"query", "key", "value"};
+  const TensorView* ts[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    if (!ts[i]->defined()) throw ValueError(fmt::format("scaled_dot_product_attention: {} is undefined", names[i]));
+    if (ts[i]->dim() < 2 || ts[i]->dim() > 4) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: {} must have 2 to 4 dims (..., seq, embed), got shape {}",
+          names[i], ts[i]->shape().str()));
+    }
+    if (ts[i]->numel() == 0) {
+      throw ShapeError(fmt::format("scaled_dot_product_attention: {} is empty (shape {})", names[i],
+                                   ts[i]->shape().str()));
+    }
+  }
+  if (k.dim() != q.dim() || v.dim() != q.dim()) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention: query, key and value must have the same number of dims, got "
+        "query {}, key {}, value {}", q.shape().str(), k.shape().str(), v.shape().str()));
+  }
+  SdpaProblem p{};
+  // With enable_gqa the head dim (-3) of key/value may divide query's; it is checked below.
+  const int head_dim = q.dim() >= 3 ? q.dim() - 3 : -1;
+  for (int i = 0; i < q.dim() - 2; ++i) {
+    if (o.enable_gqa && i == head_dim) {
+      p.lead.push_back(q.size(i));
+      continue;
+    }
+    if (k.size(i) != q.size(i) || v.size(i) != q.size(i)) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: key and value must have query's leading (batch, head) dims "
+          "{}, got query {}, key {}, value {}", Shape(std::span(q.shape().begin(), static_cast<size_t>(q.dim() - 2))).str(),
+          q.shape().str(), k.shape().str(), v.shape().str()));
+    }
+    p.lead.push_back(q.size(i));
+  }
+  p.batch = p.lead.numel();
+  if (head_dim >= 0) {
+    p.heads_q = q.size(head_dim);
+    p.heads_kv = k.size(head_dim);
+    if (v.size(head_dim) != p.heads_kv) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: key and value must have the same number of heads (dim -3), "
+          "got key {}, value {}", k.shape().str(), v.shape().str()));
+    }
+    if (p.heads_q % p.heads_kv != 0) {  // only reachable with enable_gqa (else caught above)
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: with enable_gqa, query's number of heads ({}) must be a "
+          "multiple of key/value's ({}); got query {}, key {}", p.heads_q, p.heads_kv,
+          q.shape().str(), k.shape().str()));
+    }
+    p.group = p.heads_q / p.heads_kv;
+  }
+  p.L = q.size(-2);
+  p.E = q.size(-1);
+  p.S = k.size(-2);
+  p.Ev = v.size(-1);
+  if (k.size(-1) != p.E) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention: key's embed dim must equal query's ({}), got key shape {} "
+        "(query shape {})", p.E, k.shape().str(), q.shape().str()));
+  }
+  if (v.size(-2) != p.S) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention: value's sequence length must equal key's ({}), got value "
+        "shape {} (key shape {})", p.S, v.shape().str(), k.shape().str()));
+  }
+  if (!(o.dropout_p >= 0.0f && o.dropout_p <= 1.0f)) {
+    throw ValueError(fmt::format("scaled_dot_product_attention: dropout_p must be in [0, 1], got {}",
+                                 o.dropout_p));
+  }
+  p.dropout_p = o.dropout_p;
+  p.dtype = DType::kFloat32;
+  if (o.is_causal && o.attn_mask) {
+    throw ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=true, not both");
+  }
+  // The alignment only places the diagonal of is_causal's mask; without is_causal it is ignored.
+  p.causal = o.is_causal;
+  p.causal_offset =
+      o.is_causal && o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
+  if (o.scale) {
+    // The kernels multiply in float32, the fused one by scale * log2(e): a scale whose float32
+    // multiplier would be infinite is as unusable as an infinite one.
+    constexpr double kMaxScale = std::numeric_limits<float>::max() / std::numbers::log2e;
+    if (!std::isfinite(*o.scale) || std::fabs(*o.scale) > kMaxScale) {
+      throw ValueError(fmt::format(
+          "scaled_dot_product_attention: scale must be finite, at most {:.4g} in magnitude (float32 "
+          "range of scale * log2(e)), got {}", kMaxScale, *o.scale));
+    }
+    p.scale = *o.scale;
+    p.divide = false;
+  } else {
+    p.scale = 1.0 / std::sqrt(static_cast<double>(p.E));
+    p.divide = true;
+    p.divisor = static_cast<float>(std::sqrt(static_cast<double>(p.E)));
+  }
+  if (o.attn_mask) {
+    const TensorView& m = o.attn_mask->values;
+    Shape target = p.lead;
+    target.push_back(p.L);
+    target.push_back(p.S);
+    if (!m.defined() || !broadcasts_to(m.shape(), target)) {
+      throw ShapeError(fmt::format(
+          "scaled_dot_product_attention: attn_mask of shape {} does not broadcast to (..., L, S) = {}",
+          m.defined() ? m.shape().str() : "undefined", target.str()));
+    }
+    p.mask = m.expand(target);
+    p.mask_is_bool = o.attn_mask->kind == AttnMask::Kind::kBool;
+  }
+  return p;
+}
+
+namespace {
+void require_shape(const TensorView& t, const Shape& want, const char* name, const char* hint) {
+  if (!t.defined()) {
+    throw ValueError(fmt::format("scaled_dot_product_attention_backward: {} is undefined{}", name, hint));
+  }
+  if (!(t.shape() == want)) {
+    throw ShapeError(fmt::format(
+        "scaled_dot_product_attention_backward: {} must have shape {} (the forward's), got {}",
+        name, want.str(), t.shape().str()));
+  }
+}
+}  // namespace
+
+void check_sdpa_backward(const TensorView& grad_output, const SdpaResult& forward,
+                         const SdpaOptions& options, const SdpaProblem& p) {
+  Shape out = p.lead, lse = p.lead, weights = p.lead;
+  out.push_back(p.L);
+  out.push_back(p.Ev);
+  lse.push_back(p.L);
+  weights.push_back(p.L);
+  weights.push_back(p.S);
+  require_shape(grad_output, out, "grad_output", "");
+  require_shape(forward.output, out, "forward.output", " (pass the forward's SdpaResult)");
+  require_shape(forward.lse, lse, "forward.lse", " (run the forward with need_lse = true)");
+  if (p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch) {
+    require_shape(forward.attn_weights, weights, "forward.attn_weights",
+                  " (dropout with DropoutRng::kTorch cannot be drawn again: run the forward with "
+                  "need_weights = true, or use DropoutRng::kPhilox)");
+  }
+}
+
+int64_t lead_offset(const TensorView& t, const Shape& lead, int64_t b) {
+  int64_t off = 0;
+  for (int i = lead.ndim() - 1; i >= 0; --i) {
+    off += (b % lead[i]) * t.stride(i);
+    b /= lead[i];
+  }
+  return off;
+}
+
+int64_t kv_lead_offset(const TensorView& kv, const SdpaProblem& p, int64_t b) {
+  const int nlead = p.lead.ndim();
+  if (nlead == 0) return 0;
+  const int64_t outer = b / p.heads_q, h = b % p.heads_q;  // outer: batch index of 4-D inputs
+  int64_t off = (h / p.group) * kv.stride(nlead - 1);
+  if (nlead == 2) off += outer * kv.stride(0);
+  return off;
+}
+
+}  // namespace attn::detail

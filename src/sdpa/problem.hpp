@@ -1,0 +1,62 @@
+// Argument checking and shape bookkeeping shared by every scaled_dot_product_attention backend,
+// so each one rejects the same inputs with the same messages.
+#pragma once
+
+#include "attn/dtype.hpp"
+#include "attn/sdpa.hpp"
+
+namespace attn::detail {
+
+// A validated scaled_dot_product_attention call. Every backend loops over `batch` query
+// (batch, head) pairs b = 0 .. batch-1, row-major over `lead`, and for each computes an L x S
+// attention block:
+//   query / output / mask / weights / lse of b: detail::lead_offset(t, p.lead, b)
+//   key / value of b:                           detail::kv_lead_offset(t, p, b)
+// (with GQA several b share one key/value head; without GQA both offsets coincide).
+struct SdpaProblem {
+  Shape lead;       // leading (batch, head) dims of query and of the output; may be empty
+  int64_t batch;    // product of lead: the number of query (batch, head) pairs
+  int64_t L, S, E, Ev;
+  double scale;     // the multiplier actually applied to q.k
+  bool divide;      // true: scores are divided by sqrt(E) (PyTorch's `scores / d_k**0.5`)
+  float divisor;    // sqrt(E) as float32, used when divide
+  TensorView mask;  // expanded to lead + (L, S), or undefined
+  bool mask_is_bool;
+  float dropout_p;
+  // The element type of q, k and v (the kernels' dtype constraint reads it). check_sdpa sets
+  // kFloat32, the only type a Tensor holds today.
+  DType dtype = DType::kFloat32;
+
+  // Grouped-query attention (SdpaOptions::enable_gqa). The head dim is dim -3 of 3-D and 4-D
+  // inputs (the last of `lead`); 2-D inputs have one head. Query head h reads key/value head
+  // h / group, as PyTorch's k.repeat_interleave(group, dim=-3). Without enable_gqa,
+  // heads_kv == heads_q and group == 1.
+  int64_t heads_q = 1;   // query heads (lead's last dim, or 1 for 2-D inputs)
+  int64_t heads_kv = 1;  // key/value heads; heads_q % heads_kv == 0
+  int64_t group = 1;     // heads_q / heads_kv: query heads sharing one key/value head
+
+  // is_causal, with the alignment resolved: key j is masked for query i when
+  // causal && j > i + causal_offset. causal_offset is 0 for CausalAlignment::kTopLeft and S - L
+  // for kBottomRight (negative when L > S: the first L - S query rows see no key). It is 0
+  // whenever causal is false (the alignment is ignored then).
+  bool causal = false;
+  int64_t causal_offset = 0;
+};
+// Validates the arguments and returns the problem description; throws attn::Error subclasses.
+SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const SdpaOptions& options);
+
+// Validates the extra arguments of scaled_dot_product_attention_backward against the forward's
+// problem `p`: grad_output and forward.output of shape lead + (L, Ev), forward.lse of shape
+// lead + (L), and with kTorch dropout forward.attn_weights of shape lead + (L, S).
+void check_sdpa_backward(const TensorView& grad_output, const SdpaResult& forward,
+                         const SdpaOptions& options, const SdpaProblem& p);
+
+// Offset of batch element `b` (row-major over `lead`) in a view whose leading dims match `lead`.
+int64_t lead_offset(const TensorView& t, const Shape& lead, int64_t b);
+
+// Offset of the key/value (batch, head) that query batch-head `b` (row-major over p.lead) reads,
+// in `kv` (the key or the value view): batch index b / heads_q, head (b % heads_q) / group.
+int64_t kv_lead_offset(const TensorView& kv, const SdpaProblem& p, int64_t b);
+
+}  // namespace attn::detail

@@ -1,0 +1,118 @@
+// Reference backward of scaled dot-product attention in float32, the mirror of sdpa.cpp.
+//
+// Per (batch, head) b, with the forward's L x S matrices materialised again:
+//   P   = softmax(scale * q k^T + mask)       recomputed row by row (sdpa_row.hpp), as the forward
+//   P_d = dropout(P)                           keep decisions replayed (Philox) or read from the
+//                                              forward's weights (kTorch)
+//   dV += P_d^T dO
+//   dP  = dropout'(dO v^T)                     the same keep mask and 1/(1-p) scaling
+//   dS  = P * (dP - rowsum(P * dP))            softmax's backward
+//   dQ  = scale dS k,   dK += scale dS^T q
+// The products go through CBLAS (matmul); memory is O(L * S) per head, like the forward. GQA:
+// query heads are visited in order and their dK, dV added into their key/value head, so the sum
+// over a group has a fixed order. dS is exactly 0 wherever P is 0 (masked keys, fully masked
+// rows), and then the products skip it when an input holds NaN/Inf, so an excluded NaN/Inf
+// never reaches a gradient (docs/NUMERICS.md).
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attn/functional.hpp"
+#include "attn/philox.hpp"
+#include "sdpa/registry.hpp"
+#include "sdpa/reference/sdpa_row.hpp"
+
+namespace attn::reference {
+
+namespace {
+
+bool all_finite(const TensorView& t) {
+  bool ok = true;
+  for_each_offset(t, [&](int64_t o) { ok = ok && std::isfinite(t.data()[o]); });
+  return ok;
+}
+
+// The (rows, cols) matrix of batch-head b inside t (whose leading dims are `lead`, or key/value
+// heads with kv = true).
+TensorView head(const TensorView& t, const detail::SdpaProblem& p, int64_t b, bool kv) {
+  const int64_t off = kv ? detail::kv_lead_offset(t, p, b) : detail::lead_offset(t, p.lead, b);
+  return TensorView(t.data() + off, {t.size(-2), t.size(-1)}, {t.stride(-2), t.stride(-1)});
+}
+
+// c += a @ b for a (M, K) contiguous, b (K, N) any strides, c (M, N) contiguous. With
+// skip_zeros, a zero a[m][k] never touches row k of b (0 * NaN would be NaN); otherwise BLAS.
+void matmul_acc(const Tensor& a, const TensorView& b, float* c, bool skip_zeros) {
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  if (!skip_zeros) {
+    const Tensor prod = matmul(a, b);
+    for (int64_t i = 0; i < M * N; ++i) c[i] += prod.data()[i];
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      const float x = a.data()[m * K + k];
+      if (x == 0.0f) continue;
+      for (int64_t n = 0; n < N; ++n) c[m * N + n] += x * b.data()[k * b.stride(0) + n * b.stride(1)];
+    }
+  }
+}
+
+}  // namespace
+
+SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
+                        const detail::SdpaProblem& p) {
+  SdpaGrads g{Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape())};
+  const bool guard = !all_finite(q) || !all_finite(k) || !all_finite(v);
+  const bool philox = p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kPhilox;
+  const bool torch_drop = p.dropout_p > 0.0f && !philox;
+  const float inv_keep = p.dropout_p < 1.0f ? 1.0f / (1.0f - p.dropout_p) : 0.0f;
+  std::vector<uint8_t> keep(static_cast<size_t>(p.S), 1);
+
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const TensorView qb = head(q, p, b, false), kb = head(k, p, b, true), vb = head(v, p, b, true);
+    const TensorView dob = head(dout, p, b, false);
+    Tensor probs = matmul(qb, kb.t());   // scores, then P (L, S)
+    Tensor dp = matmul(dob, vb.t());     // dP_d, then dS (L, S)
+    Tensor pd = Tensor::empty({p.L, p.S});  // P_d
+    for (int64_t i = 0; i < p.L; ++i) {
+      float* prow = probs.data() + i * p.S;
+      const float* mrow = nullptr;
+      int64_t mstride = 0;
+      if (p.mask.defined()) {
+        mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(-2);
+        mstride = p.mask.stride(-1);
+      }
+      detail::attention_row(prow, p, i, mrow, mstride);
+      if (philox) {
+        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b, i, p.dropout_p, keep);
+      } else if (torch_drop) {
+        const float* w = forward.attn_weights.data() + (b * p.L + i) * p.S;
+        for (int64_t j = 0; j < p.S; ++j) keep[static_cast<size_t>(j)] = w[j] != 0.0f;
+      }
+      float* dprow = dp.data() + i * p.S;
+      float* pdrow = pd.data() + i * p.S;
+      double delta = 0.0;  // rowsum(P * dP); a zero P contributes nothing, even against a NaN dP
+      for (int64_t j = 0; j < p.S; ++j) {
+        const bool kept = keep[static_cast<size_t>(j)] != 0;
+        const float scale = p.dropout_p > 0.0f ? (kept ? inv_keep : 0.0f) : 1.0f;
+        pdrow[j] = kept ? prow[j] * scale : prow[j] * 0.0f;
+        dprow[j] = kept ? dprow[j] * scale : 0.0f;
+        if (prow[j] != 0.0f) delta += static_cast<double>(prow[j]) * dprow[j];
+      }
+      for (int64_t j = 0; j < p.S; ++j) {
+        float ds = prow[j] == 0.0f ? 0.0f : prow[j] * (dprow[j] - static_cast<float>(delta));
+        dprow[j] = p.divide ? ds / p.divisor : ds * static_cast<float>(p.scale);
+      }
+    }
+    float* dq = g.grad_query.data() + detail::lead_offset(g.grad_query, p.lead, b);
+    float* dk = g.grad_key.data() + detail::kv_lead_offset(g.grad_key, p, b);
+    float* dv = g.grad_value.data() + detail::kv_lead_offset(g.grad_value, p, b);
+    matmul_acc(dp, kb, dq, guard);
+    matmul_acc(dp.t().contiguous(), qb, dk, guard);
+    matmul_acc(pd.t().contiguous(), dob, dv, guard);
+  }
+  return g;
+}
+
+}  // namespace attn::reference

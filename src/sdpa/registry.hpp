@@ -1,0 +1,74 @@
+// The kernels behind attn::scaled_dot_product_attention, as one table, and the choice among them.
+//
+// Each kernel states what it needs (CPU features its compile flags assume, element types) and,
+// as PyTorch's sdp_utils_cpp.cpp does for its backends, says in one line why it refuses a
+// problem, so that a forced kernel fails with the reason and an impossible call lists every
+// kernel's. Forward and backward are registered together: a kernel that computes a forward
+// computes its gradients, and the backward goes through the same choice. Every kernel receives
+// arguments already validated by check_sdpa (src/sdpa/problem.cpp).
+#pragma once
+
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "attn/dtype.hpp"
+#include "attn/sdpa.hpp"
+#include "sdpa/cpu/cpu_features.hpp"
+#include "sdpa/problem.hpp"
+
+namespace attn::detail {
+
+struct SdpaKernel {
+  std::string_view name;          // "reference", "cpu.flash.avx512", "cpu.flash.avx2", ...
+  SdpaBackend family;             // kReference or kFused: what SdpaOptions::backend filters on
+  cpu::CpuFeatureMask needs;      // every feature its compile flags assume
+  std::span<const DType> dtypes;  // element types it computes in
+  int priority;                   // kAuto takes the highest-priority kernel that accepts
+  // Constraints beyond features and dtypes: "" if the kernel takes the problem, else a one-line
+  // reason. May be nullptr (no further constraint).
+  std::string (*why_not)(const SdpaKernel&, const SdpaProblem&, const SdpaOptions&);
+  SdpaResult (*forward)(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SdpaOptions& options, const SdpaProblem& problem);
+  SdpaGrads (*backward)(const TensorView& grad_output, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const SdpaResult& forward,
+                        const SdpaOptions& options, const SdpaProblem& problem);
+};
+
+// Every registered kernel, highest priority first (the order sdpa_kernels() reports).
+std::span<const SdpaKernel> sdpa_registry();
+
+// "" if `kernel` can run `problem` with `options` on this CPU, else the first reason it cannot:
+// missing CPU features, then an unsupported dtype, then the kernel's own why_not.
+std::string kernel_why_not(const SdpaKernel& kernel, const SdpaProblem& problem,
+                           const SdpaOptions& options);
+
+// The kernel a call runs: options.kernel if set (ValueError if unknown or if it refuses the
+// problem), else the highest-priority kernel of options.backend's family that accepts (ValueError
+// listing every kernel's reason if none does). `caller` starts the error messages
+// ("scaled_dot_product_attention" or "scaled_dot_product_attention_backward").
+const SdpaKernel& select_sdpa_kernel(const SdpaProblem& problem, const SdpaOptions& options,
+                                     std::string_view caller);
+
+}  // namespace attn::detail
+
+// The kernels' entry points, registered in registry.cpp.
+namespace attn::reference {
+SdpaResult sdpa_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SdpaOptions& options, const detail::SdpaProblem& problem);
+SdpaGrads sdpa_backward(const TensorView& grad_output, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
+                        const detail::SdpaProblem& problem);
+}  // namespace attn::reference
+
+namespace attn::cpu {
+struct FlashKernel;
+// The shared fused driver (flash_fwd.cpp, flash_bwd.cpp), run with one ISA build's functions.
+SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const SdpaOptions& options,
+                         const detail::SdpaProblem& problem);
+SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& grad_output,
+                         const TensorView& q, const TensorView& k, const TensorView& v,
+                         const SdpaResult& forward, const SdpaOptions& options,
+                         const detail::SdpaProblem& problem);
+}  // namespace attn::cpu

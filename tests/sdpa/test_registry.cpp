@@ -1,0 +1,293 @@
+// The SDPA kernel registry (src/sdpa/registry.cpp): CPU feature detection, the kernel list, the
+// choice kAuto makes, forcing a kernel by name, and the reasons a kernel gives for refusing.
+//
+// Every kernel this CPU can run is held to the reference here on a few problems (forward and
+// backward); the full sweeps force each fused kernel in tests/sdpa/cpu/. A kernel this CPU
+// cannot run is skipped with its printed reason, never silently.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attn/attn.hpp"
+#include "sdpa/cpu/cpu_features.hpp"
+
+namespace attn {
+namespace {
+
+using cpu::CpuFeatures;
+
+// The message of the ValueError `f` throws ("" if it throws nothing; fails on another type).
+std::string value_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ValueError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected ValueError, got: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected ValueError, nothing was thrown";
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// ---- CPU features ---------------------------------------------------------------------------------
+
+TEST(CpuFeatures, DetectedOnceAndConsistent) {
+  const CpuFeatures& f = cpu::cpu_features();
+  EXPECT_EQ(&f, &cpu::cpu_features()) << "features must be computed once per process";
+  // Every AVX-512 extension presupposes the foundation; AMX types presuppose the tile unit.
+  for (cpu::CpuFeatureMask ext : {cpu::kAvx512dq, cpu::kAvx512bw, cpu::kAvx512vl, cpu::kAvx512Bf16,
+                                  cpu::kAvx512Fp16}) {
+    if (f.has(ext)) EXPECT_TRUE(f.has(cpu::kAvx512f)) << cpu::feature_names(ext) << " without avx512f";
+  }
+  for (cpu::CpuFeatureMask ext : {cpu::kAmxBf16, cpu::kAmxFp16}) {
+    if (f.has(ext)) EXPECT_TRUE(f.has(cpu::kAmxTile)) << cpu::feature_names(ext) << " without amx_tile";
+  }
+  // describe() names exactly the bits of the mask.
+  const std::string d = f.describe();
+  EXPECT_FALSE(d.empty());
+  for (int b = 0; b < 12; ++b) {
+    const cpu::CpuFeatureMask bit = 1u << b;
+    const std::string name = cpu::feature_names(bit);
+    ASSERT_FALSE(name.empty()) << "bit " << b << " has no name";
+    const bool listed = contains(" " + d + " ", " " + name + " ");
+    EXPECT_EQ(listed, f.has(bit)) << name << " in \"" << d << "\"";
+  }
+  std::printf("[   INFO   ] %s\n", cpu_description().c_str());
+  EXPECT_TRUE(contains(cpu_description(), d));
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+TEST(CpuFeatures, AgreesWithTheCompilersCpuSupports) {
+  // GCC's __builtin_cpu_supports reads the same CPUID bits and checks the OS state too.
+  const CpuFeatures& f = cpu::cpu_features();
+  EXPECT_EQ(f.has(cpu::kAvx2), static_cast<bool>(__builtin_cpu_supports("avx2")));
+  EXPECT_EQ(f.has(cpu::kFma), static_cast<bool>(__builtin_cpu_supports("fma")));
+  EXPECT_EQ(f.has(cpu::kAvx512f), static_cast<bool>(__builtin_cpu_supports("avx512f")));
+  EXPECT_EQ(f.has(cpu::kAvx512vl), static_cast<bool>(__builtin_cpu_supports("avx512vl")));
+  EXPECT_EQ(f.has(cpu::kAvx512dq), static_cast<bool>(__builtin_cpu_supports("avx512dq")));
+  EXPECT_EQ(f.has(cpu::kAvx512bw), static_cast<bool>(__builtin_cpu_supports("avx512bw")));
+}
+#endif
+
+// ---- the kernel list ------------------------------------------------------------------------------
+
+TEST(SdpaRegistry, ListsEveryKernelWithItsFamilyAndDtypes) {
+  const std::vector<SdpaKernelInfo> ks = sdpa_kernels();
+  std::vector<std::string> names;
+  for (const SdpaKernelInfo& k : ks) {
+    names.push_back(k.name);
+    EXPECT_EQ(k.dtypes, std::vector<DType>{DType::kFloat32}) << k.name;
+    EXPECT_EQ(k.runs_on_this_cpu, k.reason_if_not.empty()) << k.name << ": " << k.reason_if_not;
+    if (!k.runs_on_this_cpu) {
+      EXPECT_TRUE(contains(k.reason_if_not, "needs CPU features")) << k.reason_if_not;
+    }
+  }
+  std::vector<std::string> want = {"cpu.flash.generic", "reference"};
+#if defined(__x86_64__)
+  want.insert(want.begin(), {"cpu.flash.avx512", "cpu.flash.avx2"});
+#endif
+  EXPECT_EQ(names, want);
+  for (const SdpaKernelInfo& k : ks) {
+    EXPECT_EQ(k.family, k.name == "reference" ? SdpaBackend::kReference : SdpaBackend::kFused) << k.name;
+    if (k.name == "reference" || k.name == "cpu.flash.generic") EXPECT_TRUE(k.runs_on_this_cpu) << k.name;
+  }
+}
+
+TEST(SdpaRegistry, Avx512BuildNeedsEveryFeatureItsFlagsAssume) {
+  // flash_avx512.cpp is compiled with -mavx512f -mavx512vl -mavx512dq -mfma: a CPU with
+  // avx512f alone must not run it.
+  const CpuFeatures& f = cpu::cpu_features();
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    if (k.name == "cpu.flash.avx512") {
+      EXPECT_EQ(k.runs_on_this_cpu,
+                f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kFma));
+    }
+    if (k.name == "cpu.flash.avx2") EXPECT_EQ(k.runs_on_this_cpu, f.has(cpu::kAvx2 | cpu::kFma));
+  }
+}
+
+// ---- every runnable kernel against the reference ------------------------------------------------
+
+struct Problem {
+  std::vector<int64_t> q, kv;
+  bool causal;
+  bool gqa;
+  float philox_dropout;
+};
+
+TEST(SdpaRegistry, EveryRunnableKernelMatchesTheReference) {
+  const std::vector<Problem> problems = {
+      {{1, 2, 37, 16}, {1, 2, 53, 16}, false, false, 0.0f},
+      {{2, 4, 40, 32}, {2, 2, 40, 32}, true, true, 0.0f},
+      {{19, 8}, {23, 8}, false, false, 0.2f},
+  };
+  int ran = 0;
+  for (const SdpaKernelInfo& kernel : sdpa_kernels()) {
+    if (!kernel.runs_on_this_cpu) {
+      std::printf("[ SKIPPED  ] kernel %s on this CPU: %s\n", kernel.name.c_str(), kernel.reason_if_not.c_str());
+      continue;
+    }
+    for (size_t n = 0; n < problems.size(); ++n) {
+      const Problem& pr = problems[n];
+      manual_seed(200 + n);
+      const Tensor q = randn(Shape(pr.q)), k = randn(Shape(pr.kv)), v = randn(Shape(pr.kv)),
+                   dout = randn(Shape(pr.q));
+      SdpaOptions o;
+      o.is_causal = pr.causal;
+      o.enable_gqa = pr.gqa;
+      o.need_lse = true;
+      if (pr.philox_dropout > 0.0f) {
+        o.dropout_p = pr.philox_dropout;
+        o.dropout_rng = DropoutRng::kPhilox;
+        o.dropout_seed = 7;
+      }
+      SdpaOptions ref = o;
+      ref.backend = SdpaBackend::kReference;
+      SdpaOptions forced = o;
+      forced.kernel = kernel.name;
+      ASSERT_EQ(sdpa_kernel_name(q, k, v, forced), kernel.name);
+      const SdpaResult r = scaled_dot_product_attention(q, k, v, ref);
+      const SdpaResult f = scaled_dot_product_attention(q, k, v, forced);
+      const std::vector<float> a = f.output.to_vector(), b = r.output.to_vector();
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_NEAR(a[i], b[i], 2e-5) << kernel.name << " problem " << n << " output " << i;
+      }
+      const SdpaGrads gr = scaled_dot_product_attention_backward(dout, q, k, v, r, ref);
+      const SdpaGrads gf = scaled_dot_product_attention_backward(dout, q, k, v, f, forced);
+      const std::vector<float> dq = gf.grad_query.to_vector(), dq_ref = gr.grad_query.to_vector();
+      const std::vector<float> dk = gf.grad_key.to_vector(), dk_ref = gr.grad_key.to_vector();
+      for (size_t i = 0; i < dq.size(); ++i) ASSERT_NEAR(dq[i], dq_ref[i], 1e-4) << kernel.name << " dQ " << i;
+      for (size_t i = 0; i < dk.size(); ++i) ASSERT_NEAR(dk[i], dk_ref[i], 1e-4) << kernel.name << " dK " << i;
+    }
+    ++ran;
+  }
+  EXPECT_GE(ran, 2) << "the reference and the generic build run everywhere";
+}
+
+// ---- choice and refusals ------------------------------------------------------------------------
+
+TEST(SdpaRegistry, AutoPicksTheBestKernelThisCpuRuns) {
+  manual_seed(1);
+  const Tensor q = randn({1, 2, 8, 8});
+  std::string best_fused;
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {  // highest priority first
+    if (k.family == SdpaBackend::kFused && k.runs_on_this_cpu) {
+      best_fused = k.name;
+      break;
+    }
+  }
+  const CpuFeatures& f = cpu::cpu_features();
+  if (f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kFma)) EXPECT_EQ(best_fused, "cpu.flash.avx512");
+  SdpaOptions o;
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, o), best_fused);
+  o.backend = SdpaBackend::kFused;
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, o), best_fused);
+  o.backend = SdpaBackend::kReference;
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, o), "reference");
+  // PyTorch's dropout stream: only the reference reproduces it, so kAuto falls back to it.
+  o.backend = SdpaBackend::kAuto;
+  o.dropout_p = 0.5f;
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, o), "reference");
+}
+
+TEST(SdpaRegistry, UnknownKernelNameListsTheRegisteredOnes) {
+  manual_seed(2);
+  const Tensor q = randn({1, 2, 8, 8});
+  SdpaOptions o;
+  o.kernel = "cpu.flash.avx1024";
+  const std::string msg = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+  EXPECT_TRUE(contains(msg, "unknown kernel 'cpu.flash.avx1024'")) << msg;
+  for (const SdpaKernelInfo& k : sdpa_kernels()) EXPECT_TRUE(contains(msg, k.name)) << msg;
+  EXPECT_FALSE(value_error_of([&] { sdpa_kernel_name(q, q, q, o); }).empty());
+}
+
+TEST(SdpaRegistry, ForcedFusedKernelWithTorchDropoutNamesTheReason) {
+  manual_seed(3);
+  const Tensor q = randn({1, 2, 8, 8});
+  SdpaOptions o;
+  o.dropout_p = 0.3f;  // DropoutRng::kTorch by default
+  o.kernel = "cpu.flash.generic";
+  const std::string msg = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+  EXPECT_TRUE(contains(msg, "kernel 'cpu.flash.generic' cannot take this problem")) << msg;
+  EXPECT_TRUE(contains(msg, "DropoutRng::kTorch")) << msg;
+  EXPECT_TRUE(contains(msg, "reference-only")) << msg;
+  // The backward makes the same choice and refuses the same way.
+  SdpaOptions fo;
+  fo.dropout_p = 0.3f;
+  fo.need_lse = true;
+  fo.need_weights = true;
+  const SdpaResult fwd = scaled_dot_product_attention(q, q, q, fo);
+  const std::string bmsg = value_error_of([&] { scaled_dot_product_attention_backward(q, q, q, q, fwd, o); });
+  EXPECT_TRUE(contains(bmsg, "scaled_dot_product_attention_backward: kernel 'cpu.flash.generic'")) << bmsg;
+  // kFused keeps the message it has always had.
+  o.kernel.clear();
+  o.backend = SdpaBackend::kFused;
+  const std::string legacy = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+  EXPECT_TRUE(contains(legacy, "backend kFused does not support dropout with DropoutRng::kTorch")) << legacy;
+}
+
+TEST(SdpaRegistry, KernelOfAnotherFamilyThanTheBackendIsRefused) {
+  manual_seed(4);
+  const Tensor q = randn({1, 2, 8, 8});
+  SdpaOptions o;
+  o.backend = SdpaBackend::kReference;
+  o.kernel = "cpu.flash.generic";
+  const std::string msg = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+  EXPECT_TRUE(contains(msg, "kernel 'cpu.flash.generic' is a fused kernel")) << msg;
+  o.backend = SdpaBackend::kAuto;
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, o), "cpu.flash.generic");
+}
+
+TEST(SdpaRegistry, KernelsThisCpuCannotRunAreRefusedWithTheMissingFeatures) {
+  manual_seed(5);
+  const Tensor q = randn({1, 1, 8, 8});
+  int refused = 0;
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    if (k.runs_on_this_cpu) continue;
+    SdpaOptions o;
+    o.kernel = k.name;
+    const std::string msg = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+    EXPECT_TRUE(contains(msg, "kernel '" + k.name + "' cannot take this problem: needs CPU features")) << msg;
+    ++refused;
+  }
+  if (refused == 0) GTEST_SKIP() << "this CPU runs every registered kernel (" << cpu_description() << ")";
+}
+
+TEST(SdpaRegistry, RefusedCallChangesNothing) {
+  manual_seed(6);
+  const Tensor q = randn({1, 2, 8, 8});
+  Generator gen(123), fresh(123);
+  SdpaOptions o;
+  o.dropout_p = 0.5f;
+  o.generator = &gen;
+  o.kernel = "cpu.flash.generic";
+  EXPECT_THROW(scaled_dot_product_attention(q, q, q, o), ValueError);
+  o.kernel = "nope";
+  EXPECT_THROW(scaled_dot_product_attention(q, q, q, o), ValueError);
+  // No dropout draw happened: the generator is where a fresh one with the same seed is.
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(gen.random(), fresh.random());
+  // The inputs are untouched, and the same call with the reference runs as if nothing happened.
+  const std::vector<float> before = q.to_vector();
+  o.kernel = "reference";
+  Generator gen2(123);
+  o.generator = &gen2;
+  const SdpaResult a = scaled_dot_product_attention(q, q, q, o);
+  Generator gen3(123);
+  o.generator = &gen3;
+  o.kernel.clear();
+  const SdpaResult b = scaled_dot_product_attention(q, q, q, o);
+  EXPECT_EQ(a.output.to_vector(), b.output.to_vector());
+  EXPECT_EQ(q.to_vector(), before);
+}
+
+}  // namespace
+}  // namespace attn
