@@ -241,7 +241,7 @@ std::string format_kernels() {
   for (const SdpaKernelInfo& k : sdpa_kernels()) {
     std::string dtypes;
     for (DType d : k.dtypes) dtypes += fmt::format("{}{}", dtypes.empty() ? "" : ",", dtype_name(d));
-    s += fmt::format("{:<18} {:<9} {:<10} {}\n", k.name,
+    s += fmt::format("{:<22} {:<9} {:<33} {}\n", k.name,
                      k.family == SdpaBackend::kReference ? "reference" : "fused", dtypes,
                      k.runs_on_this_cpu ? "runs here" : "not here: " + k.reason_if_not);
   }

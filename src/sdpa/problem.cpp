@@ -37,6 +37,18 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
                                    ts[i]->shape().str()));
     }
   }
+  for (int i = 0; i < 3; ++i) {
+    if (!is_floating(ts[i]->dtype())) {
+      throw DTypeError(fmt::format(
+          "scaled_dot_product_attention: {} must be float32, bfloat16, float16 or float64, got {}",
+          names[i], dtype_name(ts[i]->dtype())));
+    }
+  }
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+    throw DTypeError(fmt::format(
+        "scaled_dot_product_attention: query, key and value must have the same dtype, got query "
+        "{}, key {}, value {}", dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype())));
+  }
   if (k.dim() != q.dim() || v.dim() != q.dim()) {
     throw ShapeError(fmt::format(
         "scaled_dot_product_attention: query, key and value must have the same number of dims, got "
@@ -94,7 +106,7 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
                                  o.dropout_p));
   }
   p.dropout_p = o.dropout_p;
-  p.dtype = DType::kFloat32;
+  p.dtype = q.dtype();
   if (o.is_causal && o.attn_mask) {
     throw ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=true, not both");
   }
@@ -128,8 +140,20 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
           "scaled_dot_product_attention: attn_mask of shape {} does not broadcast to (..., L, S) = {}",
           m.defined() ? m.shape().str() : "undefined", target.str()));
     }
-    p.mask = m.expand(target);
     p.mask_is_bool = o.attn_mask->kind == AttnMask::Kind::kBool;
+    // PyTorch takes a bool mask or one of the query's dtype; attn takes a boolean mask of any
+    // dtype (nonzero = takes part) and an additive mask of any floating dtype.
+    if (!p.mask_is_bool && !is_floating(m.dtype())) {
+      throw DTypeError(fmt::format(
+          "scaled_dot_product_attention: an additive attn_mask must have a floating dtype, got {}",
+          dtype_name(m.dtype())));
+    }
+    if (m.dtype() == DType::kFloat32) {
+      p.mask = m.expand(target);
+    } else {
+      p.mask_storage = std::make_shared<const Tensor>(m.to(DType::kFloat32));
+      p.mask = p.mask_storage->expand(target);
+    }
   }
   return p;
 }
@@ -158,6 +182,18 @@ void check_sdpa_backward(const TensorView& grad_output, const SdpaResult& forwar
   require_shape(grad_output, out, "grad_output", "");
   require_shape(forward.output, out, "forward.output", " (pass the forward's SdpaResult)");
   require_shape(forward.lse, lse, "forward.lse", " (run the forward with need_lse = true)");
+  if (grad_output.dtype() != p.dtype || forward.output.dtype() != p.dtype) {
+    throw DTypeError(fmt::format(
+        "scaled_dot_product_attention_backward: grad_output and forward.output must have the "
+        "inputs' dtype {}, got grad_output {}, forward.output {}", dtype_name(p.dtype),
+        dtype_name(grad_output.dtype()), dtype_name(forward.output.dtype())));
+  }
+  const DType lse_dtype = p.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  if (forward.lse.dtype() != lse_dtype) {
+    throw DTypeError(fmt::format("scaled_dot_product_attention_backward: forward.lse must be {} "
+                                 "(the forward's), got {}", dtype_name(lse_dtype),
+                                 dtype_name(forward.lse.dtype())));
+  }
   if (p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch) {
     require_shape(forward.attn_weights, weights, "forward.attn_weights",
                   " (dropout with DropoutRng::kTorch cannot be drawn again: run the forward with "

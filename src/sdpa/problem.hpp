@@ -2,6 +2,8 @@
 // so each one rejects the same inputs with the same messages.
 #pragma once
 
+#include <memory>
+
 #include "attn/dtype.hpp"
 #include "attn/sdpa.hpp"
 
@@ -20,7 +22,10 @@ struct SdpaProblem {
   double scale;     // the multiplier actually applied to q.k
   bool divide;      // true: scores are divided by sqrt(E) (PyTorch's `scores / d_k**0.5`)
   float divisor;    // sqrt(E) as float32, used when divide
-  TensorView mask;  // expanded to lead + (L, S), or undefined
+  TensorView mask;  // float32, expanded to lead + (L, S), or undefined
+  // A mask given in another dtype (bool-like int8, bfloat16, float64, ...), converted to float32
+  // once; `mask` views it. Shared so that copies of the problem stay cheap.
+  std::shared_ptr<const Tensor> mask_storage;
   bool mask_is_bool;
   float dropout_p;
   // The element type of q, k and v (the kernels' dtype constraint reads it). check_sdpa sets

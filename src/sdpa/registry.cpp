@@ -15,7 +15,105 @@
 namespace attn::detail {
 namespace {
 
-constexpr std::array<DType, 1> kFloat32Only{DType::kFloat32};
+// The float32 kernels take 16-bit inputs widened (see widening_forward); the reference also
+// computes float64 inputs in float64; the AVX512-BF16 kernel computes bf16 natively.
+constexpr std::array<DType, 3> kFusedDtypes{DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+constexpr std::array<DType, 4> kReferenceDtypes{DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                                                DType::kFloat64};
+constexpr std::array<DType, 1> kBFloat16Only{DType::kBFloat16};
+
+using ForwardFn = SdpaResult (*)(const TensorView&, const TensorView&, const TensorView&,
+                                 const SdpaOptions&, const SdpaProblem&);
+using BackwardFn = SdpaGrads (*)(const TensorView&, const TensorView&, const TensorView&,
+                                 const TensorView&, const SdpaResult&, const SdpaOptions&,
+                                 const SdpaProblem&);
+
+// bfloat16 / float16 inputs on a float32 kernel: widened once (exactly), computed in float32,
+// and the outputs rounded to the input dtype once; the LSE stays float32. This is PyTorch's
+// contract for low-precision SDPA (float32 accumulation and softmax, output in the input dtype),
+// the "float32 reference rounded to the dtype" of the accuracy rule, and the fallback wherever
+// no kernel computes the dtype natively.
+template <ForwardFn F32>
+SdpaResult widening_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const SdpaOptions& options, const SdpaProblem& p) {
+  if (p.dtype == DType::kFloat32) return F32(q, k, v, options, p);
+  SdpaProblem p32 = p;
+  p32.dtype = DType::kFloat32;
+  SdpaResult r = F32(q.to(DType::kFloat32), k.to(DType::kFloat32), v.to(DType::kFloat32), options, p32);
+  r.output = r.output.to(p.dtype);
+  if (r.attn_weights.defined()) r.attn_weights = r.attn_weights.to(p.dtype);
+  return r;
+}
+
+// The backward widens likewise. A kernel that reads the forward's output (the fused ones form
+// D = rowsum(dO * O) from it) gets it recomputed in float32 by its own forward (FwdF32, not null;
+// one more forward pass, deterministic and with the same Philox mask): the output rounded to
+// 16 bits would put its rounding into every dS (FlashAttention's and PyTorch's bf16 backwards
+// do), which wrecks the gradient of a row that sees one key, whose true dQ is exactly 0.
+template <BackwardFn F32, ForwardFn FwdF32>
+SdpaGrads widening_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const SdpaResult& forward,
+                            const SdpaOptions& options, const SdpaProblem& p) {
+  if (p.dtype == DType::kFloat32) return F32(dout, q, k, v, forward, options, p);
+  SdpaProblem p32 = p;
+  p32.dtype = DType::kFloat32;
+  const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
+  SdpaResult f32;
+  if (FwdF32 != nullptr) {
+    SdpaOptions fo = options;
+    fo.need_weights = false;
+    fo.need_lse = false;
+    f32.output = FwdF32(q32, k32, v32, fo, p32).output;
+  } else {
+    f32.output = forward.output.to(DType::kFloat32);
+  }
+  f32.lse = forward.lse;
+  if (forward.attn_weights.defined()) f32.attn_weights = forward.attn_weights.to(DType::kFloat32);
+  SdpaGrads g = F32(dout.to(DType::kFloat32), q32, k32, v32, f32, options, p32);
+  g.grad_query = g.grad_query.to(p.dtype);
+  g.grad_key = g.grad_key.to(p.dtype);
+  g.grad_value = g.grad_value.to(p.dtype);
+  return g;
+}
+
+// Float64 inputs: the float64 reference (every product and sum in double) as tensors.
+Tensor f64_tensor(const Shape& shape, const std::vector<double>& values) {
+  Tensor t = Tensor::empty(shape, DType::kFloat64);
+  std::copy(values.begin(), values.end(), t.data_as<double>());
+  return t;
+}
+
+SdpaResult reference_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const SdpaOptions& options, const SdpaProblem& p) {
+  if (p.dtype != DType::kFloat64) return widening_forward<reference::sdpa_forward>(q, k, v, options, p);
+  const reference::SdpaResultF64 r = reference::scaled_dot_product_attention_f64(q, k, v, options);
+  SdpaResult out;
+  out.output = f64_tensor(r.output_shape, r.output);
+  if (options.need_weights) out.attn_weights = f64_tensor(r.weights_shape, r.attn_weights);
+  if (options.need_lse) out.lse = f64_tensor(r.lse_shape, r.lse);
+  return out;
+}
+
+SdpaGrads reference_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                             const TensorView& v, const SdpaResult& forward,
+                             const SdpaOptions& options, const SdpaProblem& p) {
+  if (p.dtype != DType::kFloat64) {
+    // The reference's D is rowsum(P * dP): it never reads the forward's output.
+    return widening_backward<reference::sdpa_backward, nullptr>(dout, q, k, v, forward, options, p);
+  }
+  const reference::SdpaGradsF64 g = reference::scaled_dot_product_attention_backward_f64(dout, q, k, v, options);
+  return {f64_tensor(q.shape(), g.grad_query), f64_tensor(k.shape(), g.grad_key),
+          f64_tensor(v.shape(), g.grad_value)};
+}
+
+// The float64 path draws kTorch dropout from a copy of the generator (it is the tests' truth),
+// which would give every call the same mask.
+std::string reference_why_not(const SdpaKernel&, const SdpaProblem& p, const SdpaOptions& options) {
+  if (p.dtype == DType::kFloat64 && p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch) {
+    return "float64 inputs with DropoutRng::kTorch dropout are not supported; use DropoutRng::kPhilox";
+  }
+  return "";
+}
 
 std::string family_name(SdpaBackend b) {
   switch (b) {
@@ -37,33 +135,62 @@ std::string flash_why_not(const SdpaKernel&, const SdpaProblem&, const SdpaOptio
 }
 
 template <const cpu::FlashKernel& (*Table)()>
-SdpaResult fused_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                         const SdpaOptions& options, const SdpaProblem& problem) {
+SdpaResult fused_forward_f32(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const SdpaOptions& options, const SdpaProblem& problem) {
   return cpu::flash_forward(Table(), q, k, v, options, problem);
 }
 
 template <const cpu::FlashKernel& (*Table)()>
-SdpaGrads fused_backward(const TensorView& grad_output, const TensorView& q, const TensorView& k,
-                         const TensorView& v, const SdpaResult& forward,
-                         const SdpaOptions& options, const SdpaProblem& problem) {
+SdpaGrads fused_backward_f32(const TensorView& grad_output, const TensorView& q, const TensorView& k,
+                             const TensorView& v, const SdpaResult& forward,
+                             const SdpaOptions& options, const SdpaProblem& problem) {
   return cpu::flash_backward(Table(), grad_output, q, k, v, forward, options, problem);
 }
+
+template <const cpu::FlashKernel& (*Table)()>
+constexpr ForwardFn fused_forward = widening_forward<fused_forward_f32<Table>>;
+template <const cpu::FlashKernel& (*Table)()>
+constexpr BackwardFn fused_backward = widening_backward<fused_backward_f32<Table>, fused_forward_f32<Table>>;
+
+#if defined(ATTN_HAVE_X86_KERNELS)
+// The native bf16 forward computes what the float32 kernels compute except in two cases it
+// leaves to them: the attention weights (no second pass of its own yet: refused, so kAuto takes
+// the next kernel) and a V holding NaN/Inf (its products cannot skip a zero weight: it hands the
+// call to the AVX-512 float32 kernel, widened, itself). Its backward is the float32
+// AVX-512 kernel's on widened inputs: fp32 accumulation, gradients rounded to bf16 once.
+std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOptions& options) {
+  if (std::string r = flash_why_not(k, p, options); !r.empty()) return r;
+  if (options.need_weights) return "need_weights is served by the float32 kernels (widened)";
+  return "";
+}
+
+SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SdpaOptions& options, const SdpaProblem& p) {
+  if (!cpu::all_finite_bf16(v)) {  // see bf16_why_not
+    return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
+  }
+  return cpu::flash_forward_bf16(q, k, v, options, p);
+}
+#endif
 
 using namespace attn::cpu;  // the feature bits
 
 // Highest priority first. Priorities leave room for builds between the present ones.
 const SdpaKernel kKernels[] = {
 #if defined(ATTN_HAVE_X86_KERNELS)
+    {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
+     kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
+     bf16_why_not, bf16_forward, fused_backward<flash_kernel_avx512>},
     {"cpu.flash.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
-     kFloat32Only, 300, flash_why_not, fused_forward<flash_kernel_avx512>,
+     kFusedDtypes, 300, flash_why_not, fused_forward<flash_kernel_avx512>,
      fused_backward<flash_kernel_avx512>},
-    {"cpu.flash.avx2", SdpaBackend::kFused, kAvx2 | kFma, kFloat32Only, 200, flash_why_not,
+    {"cpu.flash.avx2", SdpaBackend::kFused, kAvx2 | kFma, kFusedDtypes, 200, flash_why_not,
      fused_forward<flash_kernel_avx2>, fused_backward<flash_kernel_avx2>},
 #endif
-    {"cpu.flash.generic", SdpaBackend::kFused, 0, kFloat32Only, 100, flash_why_not,
+    {"cpu.flash.generic", SdpaBackend::kFused, 0, kFusedDtypes, 100, flash_why_not,
      fused_forward<flash_kernel_generic>, fused_backward<flash_kernel_generic>},
-    {"reference", SdpaBackend::kReference, 0, kFloat32Only, 0, nullptr, reference::sdpa_forward,
-     reference::sdpa_backward},
+    {"reference", SdpaBackend::kReference, 0, kReferenceDtypes, 0, reference_why_not,
+     reference_forward, reference_backward},
 };
 
 // "" if this CPU has every feature the kernel's build assumes, else which ones it lacks.

@@ -71,4 +71,9 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& grad_outpu
                          const TensorView& q, const TensorView& k, const TensorView& v,
                          const SdpaResult& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& problem);
+// The bfloat16 forward on AVX512-BF16 (flash_fwd_bf16.cpp), and the check it needs: true if
+// no element of a bf16 tensor is NaN or Inf.
+SdpaResult flash_forward_bf16(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const SdpaOptions& options, const detail::SdpaProblem& problem);
+bool all_finite_bf16(const TensorView& t);
 }  // namespace attn::cpu

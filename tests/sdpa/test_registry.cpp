@@ -84,7 +84,15 @@ TEST(SdpaRegistry, ListsEveryKernelWithItsFamilyAndDtypes) {
   std::vector<std::string> names;
   for (const SdpaKernelInfo& k : ks) {
     names.push_back(k.name);
-    EXPECT_EQ(k.dtypes, std::vector<DType>{DType::kFloat32}) << k.name;
+    const std::vector<DType> fused = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+    if (k.name == "reference") {
+      EXPECT_EQ(k.dtypes, (std::vector<DType>{DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                                              DType::kFloat64}));
+    } else if (k.name == "cpu.flash.avx512_bf16") {
+      EXPECT_EQ(k.dtypes, std::vector<DType>{DType::kBFloat16});
+    } else {
+      EXPECT_EQ(k.dtypes, fused) << k.name;
+    }
     EXPECT_EQ(k.runs_on_this_cpu, k.reason_if_not.empty()) << k.name << ": " << k.reason_if_not;
     if (!k.runs_on_this_cpu) {
       EXPECT_TRUE(contains(k.reason_if_not, "needs CPU features")) << k.reason_if_not;
@@ -92,7 +100,7 @@ TEST(SdpaRegistry, ListsEveryKernelWithItsFamilyAndDtypes) {
   }
   std::vector<std::string> want = {"cpu.flash.generic", "reference"};
 #if defined(__x86_64__)
-  want.insert(want.begin(), {"cpu.flash.avx512", "cpu.flash.avx2"});
+  want.insert(want.begin(), {"cpu.flash.avx512_bf16", "cpu.flash.avx512", "cpu.flash.avx2"});
 #endif
   EXPECT_EQ(names, want);
   for (const SdpaKernelInfo& k : ks) {
@@ -135,11 +143,14 @@ TEST(SdpaRegistry, EveryRunnableKernelMatchesTheReference) {
       std::printf("[ SKIPPED  ] kernel %s on this CPU: %s\n", kernel.name.c_str(), kernel.reason_if_not.c_str());
       continue;
     }
+    for (DType dtype : kernel.dtypes) {
+    // The inputs rounded to the dtype for both; the tolerance is a few units of its last place.
+    const double tol = dtype == DType::kBFloat16 ? 3e-2 : dtype == DType::kFloat16 ? 4e-3 : 2e-5;
     for (size_t n = 0; n < problems.size(); ++n) {
       const Problem& pr = problems[n];
       manual_seed(200 + n);
-      const Tensor q = randn(Shape(pr.q)), k = randn(Shape(pr.kv)), v = randn(Shape(pr.kv)),
-                   dout = randn(Shape(pr.q));
+      const Tensor q = randn(Shape(pr.q)).to(dtype), k = randn(Shape(pr.kv)).to(dtype),
+                   v = randn(Shape(pr.kv)).to(dtype), dout = randn(Shape(pr.q)).to(dtype);
       SdpaOptions o;
       o.is_causal = pr.causal;
       o.enable_gqa = pr.gqa;
@@ -159,14 +170,15 @@ TEST(SdpaRegistry, EveryRunnableKernelMatchesTheReference) {
       const std::vector<float> a = f.output.to_vector(), b = r.output.to_vector();
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) {
-        ASSERT_NEAR(a[i], b[i], 2e-5) << kernel.name << " problem " << n << " output " << i;
+        ASSERT_NEAR(a[i], b[i], tol) << kernel.name << " " << dtype_name(dtype) << " problem " << n << " output " << i;
       }
       const SdpaGrads gr = scaled_dot_product_attention_backward(dout, q, k, v, r, ref);
       const SdpaGrads gf = scaled_dot_product_attention_backward(dout, q, k, v, f, forced);
       const std::vector<float> dq = gf.grad_query.to_vector(), dq_ref = gr.grad_query.to_vector();
       const std::vector<float> dk = gf.grad_key.to_vector(), dk_ref = gr.grad_key.to_vector();
-      for (size_t i = 0; i < dq.size(); ++i) ASSERT_NEAR(dq[i], dq_ref[i], 1e-4) << kernel.name << " dQ " << i;
-      for (size_t i = 0; i < dk.size(); ++i) ASSERT_NEAR(dk[i], dk_ref[i], 1e-4) << kernel.name << " dK " << i;
+      for (size_t i = 0; i < dq.size(); ++i) ASSERT_NEAR(dq[i], dq_ref[i], 5 * tol) << kernel.name << " dQ " << i;
+      for (size_t i = 0; i < dk.size(); ++i) ASSERT_NEAR(dk[i], dk_ref[i], 5 * tol) << kernel.name << " dK " << i;
+    }
     }
     ++ran;
   }
@@ -180,7 +192,8 @@ TEST(SdpaRegistry, AutoPicksTheBestKernelThisCpuRuns) {
   const Tensor q = randn({1, 2, 8, 8});
   std::string best_fused;
   for (const SdpaKernelInfo& k : sdpa_kernels()) {  // highest priority first
-    if (k.family == SdpaBackend::kFused && k.runs_on_this_cpu) {
+    const bool f32 = std::find(k.dtypes.begin(), k.dtypes.end(), DType::kFloat32) != k.dtypes.end();
+    if (k.family == SdpaBackend::kFused && k.runs_on_this_cpu && f32) {
       best_fused = k.name;
       break;
     }

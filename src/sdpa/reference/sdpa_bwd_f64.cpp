@@ -15,22 +15,27 @@
 namespace attn::reference {
 
 namespace {
+// Element (r, c) of the head at `off`; t is the float64 widening of an input (exact).
 double at(const TensorView& t, int64_t off, int64_t r, int64_t c) {
-  return static_cast<double>(t.data()[off + r * t.stride(-2) + c * t.stride(-1)]);
+  return t.data_as<double>()[off + r * t.stride(-2) + c * t.stride(-1)];
 }
 }  // namespace
 
-SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout, const TensorView& q,
-                                                       const TensorView& k, const TensorView& v,
+SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in,
+                                                       const TensorView& q_in,
+                                                       const TensorView& k_in,
+                                                       const TensorView& v_in,
                                                        const SdpaOptions& options) {
-  const detail::SdpaProblem p = detail::check_sdpa(q, k, v, options);
+  const detail::SdpaProblem p = detail::check_sdpa(q_in, k_in, v_in, options);
+  const Tensor q = q_in.to(DType::kFloat64), k = k_in.to(DType::kFloat64), v = v_in.to(DType::kFloat64);
   Shape out_shape = p.lead;
   out_shape.push_back(p.L);
   out_shape.push_back(p.Ev);
-  if (!dout.defined() || !(dout.shape() == out_shape)) {
+  if (!dout_in.defined() || !(dout_in.shape() == out_shape)) {
     throw ShapeError("scaled_dot_product_attention_backward_f64: grad_output must have shape " +
-                     out_shape.str() + ", got " + (dout.defined() ? dout.shape().str() : "undefined"));
+                     out_shape.str() + ", got " + (dout_in.defined() ? dout_in.shape().str() : "undefined"));
   }
+  const Tensor dout = dout_in.to(DType::kFloat64);
   SdpaGradsF64 g;
   g.grad_query.assign(static_cast<size_t>(q.numel()), 0.0);
   g.grad_key.assign(static_cast<size_t>(k.numel()), 0.0);

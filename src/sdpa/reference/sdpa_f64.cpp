@@ -3,6 +3,8 @@
 // GQA reads key/value head h / group in place (kv_lead_offset) instead of repeating K and V;
 // dropout uses the very keep decisions of the float32 path (a copy of the torch generator's
 // state, or the same Philox row function), so the two are comparable with dropout too.
+// Inputs of any floating dtype are read exactly (widened to float64 once); the mask is read as
+// the float32 the kernels see.
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
 #include "sdpa/problem.hpp"
@@ -10,9 +12,10 @@
 
 namespace attn::reference {
 
-SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const TensorView& k,
-                                               const TensorView& v, const SdpaOptions& options) {
-  const detail::SdpaProblem p = detail::check_sdpa(q, k, v, options);
+SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const TensorView& k_in,
+                                               const TensorView& v_in, const SdpaOptions& options) {
+  const detail::SdpaProblem p = detail::check_sdpa(q_in, k_in, v_in, options);
+  const Tensor q = q_in.to(DType::kFloat64), k = k_in.to(DType::kFloat64), v = v_in.to(DType::kFloat64);
   SdpaResultF64 r;
   r.weights_shape = p.lead;
   r.weights_shape.push_back(p.L);
@@ -43,16 +46,15 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const Tensor
   }
   const int nd = q.dim();
   for (int64_t b = 0; b < p.batch; ++b) {
-    const float* qb = q.data() + detail::lead_offset(q, p.lead, b);
-    const float* kb = k.data() + detail::kv_lead_offset(k, p, b);
-    const float* vb = v.data() + detail::kv_lead_offset(v, p, b);
+    const double* qb = q.data_as<double>() + detail::lead_offset(q, p.lead, b);
+    const double* kb = k.data_as<double>() + detail::kv_lead_offset(k, p, b);
+    const double* vb = v.data_as<double>() + detail::kv_lead_offset(v, p, b);
     for (int64_t i = 0; i < p.L; ++i) {
       double* row = r.attn_weights.data() + (b * p.L + i) * p.S;
       for (int64_t j = 0; j < p.S; ++j) {
         double s = 0.0;
         for (int64_t e = 0; e < p.E; ++e) {
-          s += static_cast<double>(qb[i * q.stride(nd - 2) + e * q.stride(nd - 1)]) *
-               static_cast<double>(kb[j * k.stride(nd - 2) + e * k.stride(nd - 1)]);
+          s += qb[i * q.stride(nd - 2) + e * q.stride(nd - 1)] * kb[j * k.stride(nd - 2) + e * k.stride(nd - 1)];
         }
         row[j] = s;
       }
@@ -76,7 +78,7 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const Tensor
       for (int64_t j = 0; j < p.S; ++j) {
         if (row[j] == 0.0) continue;  // a masked or dropped NaN/Inf value must not reach out
         for (int64_t e = 0; e < p.Ev; ++e) {
-          out[e] += row[j] * static_cast<double>(vb[j * v.stride(nd - 2) + e * v.stride(nd - 1)]);
+          out[e] += row[j] * vb[j * v.stride(nd - 2) + e * v.stride(nd - 1)];
         }
       }
     }

@@ -1,0 +1,79 @@
+// The driver of the bfloat16 fused forward (kernel: flash_avx512_bf16.cpp): the float32
+// driver's work items and thread schedule (flash_fwd.cpp) over 16-bit q, k, v and output.
+// Every output row is produced by one work item in a fixed order: bit-identical results for
+// any thread count.
+#include <algorithm>
+#include <numbers>
+#include <numeric>
+#include <vector>
+
+#include <omp.h>
+
+#include "sdpa/cpu/flash_bf16.hpp"
+#include "sdpa/cpu/flash_inputs.hpp"
+#include "sdpa/registry.hpp"
+
+namespace attn::cpu {
+
+bool all_finite_bf16(const TensorView& t) {
+  const auto* bits = static_cast<const uint16_t*>(t.raw_data());
+  bool ok = true;
+  for_each_offset(t, [&](int64_t o) { ok = ok && (bits[o] & 0x7f80u) != 0x7f80u; });
+  return ok;
+}
+
+SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
+                              const SdpaOptions& options, const detail::SdpaProblem& p) {
+  Tensor qs, ks, vs;
+  const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
+                   v = rows_contiguous(v_in, vs);
+  Shape out_shape = p.lead, lse_shape = p.lead;
+  out_shape.push_back(p.L);
+  out_shape.push_back(p.Ev);
+  lse_shape.push_back(p.L);
+  SdpaResult result;
+  result.output = Tensor::empty(out_shape, DType::kBFloat16);
+  if (options.need_lse) result.lse = Tensor::empty(lse_shape);
+
+  const FlashParams fp = make_flash_params(p, options, q, k, v);
+  constexpr int64_t bq = avx512_bf16::kBlockQ;
+  const int64_t nqb = (p.L + bq - 1) / bq;
+  std::vector<int64_t> items(static_cast<size_t>(p.batch * nqb));
+  std::iota(items.begin(), items.end(), int64_t{0});
+  if (fp.causal) {
+    for (int64_t b = 0; b < p.batch; ++b) std::reverse(items.begin() + b * nqb, items.begin() + (b + 1) * nqb);
+  }
+  const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  const int64_t ws_bytes = avx512_bf16::workspace_bytes(p.E, p.Ev);
+  const auto* qd = static_cast<const uint16_t*>(q.raw_data());
+  const auto* kd = static_cast<const uint16_t*>(k.raw_data());
+  const auto* vd = static_cast<const uint16_t*>(v.raw_data());
+  auto* const out = static_cast<uint16_t*>(result.output.raw_data());
+  float* const lse = options.need_lse ? result.lse.data() : nullptr;
+
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> ws(static_cast<size_t>((ws_bytes + 3) / 4));
+#pragma omp for schedule(dynamic, 1)
+    for (size_t t = 0; t < items.size(); ++t) {
+      const int64_t b = items[t] / nqb, i0 = (items[t] % nqb) * bq;
+      FlashBlock16 blk{};
+      blk.i0 = i0;
+      blk.nq = std::min<int64_t>(bq, p.L - i0);
+      blk.bh = b;
+      blk.q = qd + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
+      blk.k = kd + detail::kv_lead_offset(k, p, b);
+      blk.v = vd + detail::kv_lead_offset(v, p, b);
+      blk.o = out + (b * p.L + i0) * p.Ev;
+      blk.lse = lse != nullptr ? lse + b * p.L + i0 : nullptr;
+      if (p.mask.defined()) blk.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i0 * fp.mask_row;
+      avx512_bf16::forward_block(fp, blk, ws.data());
+    }
+  }
+  if (lse != nullptr) {  // base 2 in the kernel, natural in the API
+    for (int64_t r = 0; r < p.batch * p.L; ++r) lse[r] *= std::numbers::ln2_v<float>;
+  }
+  return result;
+}
+
+}  // namespace attn::cpu

@@ -1,0 +1,229 @@
+// bfloat16 and float16 attention, forward and backward, on every kernel of the registry that
+// takes the dtype and runs on this CPU (the others are reported as skipped with their reason).
+//
+// Rule (FlashAttention's, for low precision): inputs are rounded to the dtype once; the truth is
+// the float64 evaluation of those rounded values; the same-precision reference computes in
+// float32 (the reference kernel on the widened inputs) and rounds its output to the dtype. A
+// kernel's max error against the truth must be at most 2x the reference's, plus a small absolute
+// floor. The same for dQ, dK, dV (rows that see a single key, whose true dQ is 0, hold a kernel
+// to an exact 0 there). Outputs come back in the input dtype, the LSE in float32.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attn/attn.hpp"
+#include "sdpa/cpu/sdpa_cases.hpp"
+
+namespace attn {
+namespace {
+
+using test::Case;
+using test::describe;
+using test::Inputs;
+using test::make_inputs;
+using test::MaskKind;
+using test::max_abs_err;
+
+constexpr DType kLowDtypes[] = {DType::kBFloat16, DType::kFloat16};
+
+// Kernels that take `dtype` and run here; prints the others once per dtype with the reason.
+std::vector<std::string> kernels_for(DType dtype) {
+  std::vector<std::string> out;
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    bool takes = false;
+    for (DType d : k.dtypes) takes = takes || d == dtype;
+    if (!takes) continue;
+    if (k.runs_on_this_cpu) {
+      out.push_back(k.name);
+    } else {
+      std::printf("[ SKIPPED  ] %s kernel %s on this CPU: %s\n", std::string(dtype_name(dtype)).c_str(),
+                  k.name.c_str(), k.reason_if_not.c_str());
+    }
+  }
+  return out;
+}
+
+// Inputs of the case rounded to `dtype` (kept also widened to float32, exactly).
+struct LowInputs {
+  Tensor q, k, v;        // in dtype
+  Tensor q32, k32, v32;  // the same values in float32
+};
+
+LowInputs round_inputs(const Inputs& in, DType dtype) {
+  LowInputs r;
+  r.q = in.q.to(dtype), r.k = in.k.to(dtype), r.v = in.v.to(dtype);
+  r.q32 = r.q.to(DType::kFloat32), r.k32 = r.k.to(DType::kFloat32), r.v32 = r.v.to(DType::kFloat32);
+  return r;
+}
+
+std::vector<Case> low_sweep() {
+  std::vector<Case> cases;
+  const int64_t Es[] = {1, 3, 64, 80, 96, 128, 256};
+  const MaskKind masks[] = {MaskKind::kNone, MaskKind::kCausalTopLeft, MaskKind::kBool,
+                            MaskKind::kCausalBottomRight, MaskKind::kAdditive, MaskKind::kBoolBroadcast};
+  int n = 0;
+  for (int64_t L : {1, 7, 97, 259}) {
+    for (int64_t E : Es) {
+      const int64_t group = int64_t{1} << (n % 3);
+      const int64_t S = (n % 4 == 1) ? L + 13 : (n % 4 == 3 && L > 7) ? L / 2 + 1 : L;
+      const int64_t Ev = (n % 5 == 2) ? E + 5 : E;
+      const float p = (n % 7 == 3) ? 0.2f : 0.0f;
+      cases.push_back({2, 2 * group, 2, L, S, E, Ev, masks[n % 6], p});
+      ++n;
+    }
+  }
+  for (MaskKind m : masks) cases.push_back({1, 4, 2, 130, 67, 64, 64, m, 0.0f});
+  return cases;
+}
+
+class LowPrecision : public testing::TestWithParam<Case> {};
+
+TEST_P(LowPrecision, ForwardErrorWithinTwiceTheRoundedFloat32Reference) {
+  const Case c = GetParam();
+  const Inputs in = make_inputs(c, 11);
+  for (DType dtype : kLowDtypes) {
+    const LowInputs r = round_inputs(in, dtype);
+    SdpaOptions ref = in.options;
+    ref.backend = SdpaBackend::kReference;
+    const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(r.q32, r.k32, r.v32, ref);
+    const Tensor ref_out = scaled_dot_product_attention(r.q32, r.k32, r.v32, ref).output.to(dtype);
+    const double ref_err = max_abs_err(ref_out, truth.output);
+    ASSERT_TRUE(std::isfinite(ref_err)) << describe(c);
+    for (const std::string& kernel : kernels_for(dtype)) {
+      SdpaOptions o = in.options;
+      o.kernel = kernel;
+      const SdpaResult f = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      ASSERT_EQ(f.output.dtype(), dtype) << kernel;
+      ASSERT_EQ(f.lse.dtype(), DType::kFloat32) << kernel;
+      EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * ref_err + 1e-4)
+          << describe(c) << " " << dtype_name(dtype) << " kernel " << kernel << " (reference error " << ref_err << ")";
+      EXPECT_LE(max_abs_err(f.lse, truth.lse), 1e-4 * std::max(1.0, std::log(double(c.S)) + 1.0))
+          << describe(c) << " " << dtype_name(dtype) << " lse, kernel " << kernel;
+    }
+  }
+}
+
+TEST_P(LowPrecision, BackwardErrorWithinTwiceTheRoundedFloat32Reference) {
+  const Case c = GetParam();
+  if (c.L * c.S * c.E > 4'000'000) GTEST_SKIP() << "float64 backward truth too slow for " << describe(c);
+  const Inputs in = make_inputs(c, 12);
+  manual_seed(99);
+  const Tensor dout = randn({c.B, c.Hq, c.L, c.Ev});
+  for (DType dtype : kLowDtypes) {
+    const LowInputs r = round_inputs(in, dtype);
+    const Tensor dlow = dout.to(dtype), d32 = dlow.to(DType::kFloat32);
+    SdpaOptions ref = in.options;
+    ref.backend = SdpaBackend::kReference;
+    ref.need_lse = true;
+    const reference::SdpaGradsF64 truth =
+        reference::scaled_dot_product_attention_backward_f64(d32, r.q32, r.k32, r.v32, ref);
+    const SdpaResult rf = scaled_dot_product_attention(r.q32, r.k32, r.v32, ref);
+    const SdpaGrads rg = scaled_dot_product_attention_backward(d32, r.q32, r.k32, r.v32, rf, ref);
+    const double eq = max_abs_err(rg.grad_query.to(dtype), truth.grad_query);
+    const double ek = max_abs_err(rg.grad_key.to(dtype), truth.grad_key);
+    const double ev = max_abs_err(rg.grad_value.to(dtype), truth.grad_value);
+    for (const std::string& kernel : kernels_for(dtype)) {
+      SdpaOptions o = in.options;
+      o.kernel = kernel;
+      o.need_lse = true;
+      const SdpaResult f = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      SdpaGrads g;
+      try {
+        g = scaled_dot_product_attention_backward(dlow, r.q, r.k, r.v, f, o);
+      } catch (const ValueError& e) {
+        // A forward-only kernel says so; the backward then runs on the kernel kAuto picks.
+        ASSERT_NE(std::string(e.what()).find("backward"), std::string::npos) << e.what();
+        o.kernel.clear();
+        g = scaled_dot_product_attention_backward(dlow, r.q, r.k, r.v, f, o);
+      }
+      ASSERT_EQ(g.grad_query.dtype(), dtype);
+      ASSERT_EQ(g.grad_key.dtype(), dtype);
+      const std::string what = describe(c) + " " + std::string(dtype_name(dtype)) + " kernel " + kernel;
+      EXPECT_LE(max_abs_err(g.grad_query, truth.grad_query), 2.0 * eq + 1e-4) << what << " dq";
+      EXPECT_LE(max_abs_err(g.grad_key, truth.grad_key), 2.0 * ek + 1e-4) << what << " dk";
+      EXPECT_LE(max_abs_err(g.grad_value, truth.grad_value), 2.0 * ev + 1e-4) << what << " dv";
+    }
+  }
+}
+
+TEST_P(LowPrecision, SameBitsForOneAndTwoThreads) {
+  const Case c = GetParam();
+  Inputs in = make_inputs(c, 13);
+  for (DType dtype : kLowDtypes) {
+    const LowInputs r = round_inputs(in, dtype);
+    for (const std::string& kernel : kernels_for(dtype)) {
+      if (kernel == "reference") continue;
+      SdpaOptions o = in.options;
+      o.kernel = kernel;
+      o.num_threads = 1;
+      const SdpaResult one = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      o.num_threads = 2;
+      const SdpaResult two = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      EXPECT_EQ(one.output.to_vector(), two.output.to_vector()) << describe(c) << " " << kernel;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, LowPrecision, testing::ValuesIn(low_sweep()),
+                         [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+
+// ---- dtype rules -------------------------------------------------------------------------------
+
+TEST(LowPrecisionErrors, MixedDtypesNameBothArguments) {
+  const Tensor q = Tensor::ones({1, 2, 4, 8}, DType::kBFloat16), k = Tensor::ones({1, 2, 4, 8});
+  try {
+    (void)scaled_dot_product_attention(q, k, k);
+    FAIL() << "mixed dtypes accepted";
+  } catch (const DTypeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("query"), std::string::npos) << m;
+    EXPECT_NE(m.find("key"), std::string::npos) << m;
+    EXPECT_NE(m.find("bfloat16"), std::string::npos) << m;
+    EXPECT_NE(m.find("float32"), std::string::npos) << m;
+  }
+}
+
+TEST(LowPrecisionErrors, IntegerInputsAreRefused) {
+  const Tensor q = Tensor::ones({1, 1, 4, 8}, DType::kInt32);
+  EXPECT_THROW((void)scaled_dot_product_attention(q, q, q), DTypeError);
+  const Tensor i8 = Tensor::ones({1, 1, 4, 8}, DType::kInt8);
+  EXPECT_THROW((void)scaled_dot_product_attention(i8, i8, i8), DTypeError);
+}
+
+TEST(LowPrecisionErrors, ForcingAKernelThatCannotTakeTheDtypeSaysWhy) {
+  const Tensor q = Tensor::ones({1, 1, 4, 8}, DType::kFloat16);
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    bool takes = false;
+    for (DType d : k.dtypes) takes = takes || d == DType::kFloat16;
+    if (takes) continue;
+    SdpaOptions o;
+    o.kernel = k.name;
+    try {
+      (void)scaled_dot_product_attention(q, q, q, o);
+      FAIL() << k.name << " took float16";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("float16"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(LowPrecisionMasks, BoolAndFloatMasksOfAnyDtypeGiveTheSameResult) {
+  manual_seed(5);
+  const Tensor q = randn({1, 2, 9, 16}).to(DType::kBFloat16), k = randn({1, 2, 11, 16}).to(DType::kBFloat16);
+  const Tensor v = randn({1, 2, 11, 16}).to(DType::kBFloat16);
+  Tensor m = rand({9, 11});
+  for (int64_t i = 0; i < m.numel(); ++i) m.data()[i] = m.data()[i] > 0.3f ? 1.0f : 0.0f;
+  SdpaOptions o;
+  o.attn_mask = AttnMask::boolean(m);
+  const std::vector<float> want = scaled_dot_product_attention(q, k, v, o).output.to_vector();
+  for (DType md : {DType::kBFloat16, DType::kFloat16, DType::kInt8, DType::kFloat64}) {
+    const Tensor mm = m.to(md);
+    o.attn_mask = AttnMask::boolean(mm);
+    EXPECT_EQ(scaled_dot_product_attention(q, k, v, o).output.to_vector(), want) << dtype_name(md);
+  }
+}
+
+}  // namespace
+}  // namespace attn
