@@ -97,6 +97,9 @@ std::optional<std::string> validate(const BenchConfig& c) {
   if (c.impl != "fused" && c.impl != "reference" && c.impl != "auto") {
     return fmt::format("--impl must be fused, reference or auto (got '{}')", c.impl);
   }
+  if (c.dtype != "f32" && c.dtype != "bf16" && c.dtype != "f16" && c.dtype != "f64") {
+    return fmt::format("--dtype must be f32, bf16, f16 or f64 (got '{}')", c.dtype);
+  }
   if (!c.kernel.empty()) {
     std::string names;
     for (const SdpaKernelInfo& k : sdpa_kernels()) {
@@ -112,6 +115,13 @@ SdpaBackend backend_of(const std::string& impl) {
   if (impl == "fused") return SdpaBackend::kFused;
   if (impl == "reference") return SdpaBackend::kReference;
   return SdpaBackend::kAuto;
+}
+
+DType dtype_of(const std::string& dtype) {
+  if (dtype == "bf16") return DType::kBFloat16;
+  if (dtype == "f16") return DType::kFloat16;
+  if (dtype == "f64") return DType::kFloat64;
+  return DType::kFloat32;
 }
 
 double attention_flops(const BenchConfig& c) {
@@ -146,18 +156,16 @@ BenchResult run_bench(const BenchConfig& c) {
   if (openblas_set_num_threads != nullptr) openblas_set_num_threads(threads);
 
   BenchResult r;
-  const PeakResult peak = measure_fma_peak(threads);
-  r.peak_gflops = peak.gflops;
-  r.simd = peak.isa;
   r.blas_core = openblas_get_corename != nullptr ? trim(openblas_get_corename()) : "unknown";
   r.blas_config = openblas_get_config != nullptr ? trim(openblas_get_config()) : "";
   if (const char* coretype = std::getenv("OPENBLAS_CORETYPE")) r.openblas_coretype = coretype;
 
   Generator gen(0);  // the same inputs on every run
   const int64_t kv_heads = c.kv_heads_or_default(), seq_kv = c.seq_kv_or_default();
-  const Tensor q = randn({c.batch, c.heads, c.seq, c.dim}, gen);
-  const Tensor k = randn({c.batch, kv_heads, seq_kv, c.dim}, gen);
-  const Tensor v = randn({c.batch, kv_heads, seq_kv, c.dim}, gen);
+  const DType dtype = dtype_of(c.dtype);
+  const Tensor q = randn({c.batch, c.heads, c.seq, c.dim}, gen).to(dtype);
+  const Tensor k = randn({c.batch, kv_heads, seq_kv, c.dim}, gen).to(dtype);
+  const Tensor v = randn({c.batch, kv_heads, seq_kv, c.dim}, gen).to(dtype);
 
   SdpaOptions options;
   options.is_causal = c.causal;
@@ -168,13 +176,22 @@ BenchResult run_bench(const BenchConfig& c) {
   // Which kernel the timed calls run; throws (before any timing) as the call would.
   r.kernel = sdpa_kernel_name(q, k, v, options);
   r.cpu = cpu_description();
+  // The roof is the peak of the unit the kernel's products run on, measured now, on as many
+  // threads: the BF16 dot unit for the native bf16 kernel, the FMA unit for every float32
+  // kernel (also when it takes 16-bit inputs widened). A backward runs the float32 kernels.
+  std::optional<PeakResult> peak;
+  if (r.kernel == "cpu.flash.avx512_bf16" && !c.backward) peak = measure_bf16_dot_peak(threads);
+  r.unit = peak ? "bf16-dot" : "fma";
+  if (!peak) peak = measure_fma_peak(threads);
+  r.peak_gflops = peak->gflops;
+  r.simd = peak->isa;
 
   SdpaResult saved;
   Tensor dout;
   if (c.backward) {
     options.need_lse = true;
     saved = scaled_dot_product_attention(q, k, v, options);
-    dout = randn(saved.output.shape(), gen);
+    dout = randn(saved.output.shape(), gen).to(dtype);
   }
   const auto call = [&] {
     if (c.backward) return scaled_dot_product_attention_backward(dout, q, k, v, saved, options).grad_query;
@@ -200,12 +217,12 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
   std::string times;
   for (const double t : r.times_ms) times += (times.empty() ? "" : ", ") + json_number(t, 4);
   return fmt::format(
-      "{{\"impl\": {}, \"kernel\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
+      "{{\"impl\": {}, \"kernel\": {}, \"dtype\": {}, \"unit\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
       "\"seq_kv\": {}, \"dim\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {}, "
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
       "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}]}}\n",
-      json_string(c.impl), json_string(r.kernel), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
+      json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
       json_number(r.peak_gflops, 3), json_number(r.peak_ratio, 5), json_number(r.max_rss_mib, 1),
@@ -221,6 +238,7 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
   };
   row("impl", c.impl);
   row("kernel", r.kernel);
+  row("dtype", c.dtype);
   row("pass", c.backward ? "backward (FLOPs: 2.5x the forward's)" : "forward");
   row("shape", shape_text(c) + (c.causal ? ", causal" : ", not causal"));
   row("threads", fmt::format("{}", c.threads_or_default()));
@@ -228,7 +246,7 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
   row("median", fmt::format("{:.3f} ms", r.median_ms));
   row("min", fmt::format("{:.3f} ms", r.min_ms));
   row("throughput", fmt::format("{:.2f} GFLOP/s", r.gflops));
-  row("FMA peak", fmt::format("{:.2f} GFLOP/s ({})", r.peak_gflops, r.simd));
+  row(r.unit == "fma" ? "FMA peak" : "BF16 peak", fmt::format("{:.2f} GFLOP/s ({})", r.peak_gflops, r.simd));
   row("of peak", fmt::format("{:.1f} %", 100.0 * r.peak_ratio));
   row("peak RSS", fmt::format("{:.1f} MiB", r.max_rss_mib));
   row("BLAS core", blas_text(r));
@@ -257,12 +275,18 @@ int run_bench_command(const BenchConfig& c, std::ostream& out, std::ostream& err
     const int threads = c.threads_or_default();
     omp_set_num_threads(threads);
     const PeakResult p = measure_fma_peak(threads);
+    const std::optional<PeakResult> bf16 = measure_bf16_dot_peak(threads);
     if (c.json) {
-      out << fmt::format("{{\"threads\": {}, \"peak_gflops\": {}, \"simd\": {}, \"lanes\": {}}}\n",
-                         p.threads, json_number(p.gflops, 3), json_string(p.isa), p.lanes);
+      out << fmt::format("{{\"threads\": {}, \"peak_gflops\": {}, \"simd\": {}, \"lanes\": {}, "
+                         "\"bf16_dot_peak_gflops\": {}}}\n",
+                         p.threads, json_number(p.gflops, 3), json_string(p.isa), p.lanes,
+                         bf16 ? json_number(bf16->gflops, 3) : "null");
     } else {
       out << fmt::format("{:<12} {:.2f} GFLOP/s\n{:<12} {} ({} float lanes)\n{:<12} {}\n",
                          "FMA peak", p.gflops, "ISA", p.isa, p.lanes, "threads", p.threads);
+      out << fmt::format("{:<12} {}\n", "BF16 peak",
+                         bf16 ? fmt::format("{:.2f} GFLOP/s (vdpbf16ps)", bf16->gflops)
+                              : std::string("none (no AVX512-BF16)"));
     }
     return 0;
   }

@@ -31,6 +31,7 @@ struct BenchConfig {
   int warmup = 2;
   std::string impl = "auto";        // fused | reference | auto: the kernel family
   std::string kernel;               // a registered kernel forced by name ("" = the family's best)
+  std::string dtype = "f32";        // f32 | bf16 | f16 | f64: the dtype of q, k, v
   bool backward = false;            // time the backward pass
   bool json = false;
   bool peak_only = false;
@@ -44,6 +45,7 @@ struct BenchConfig {
 std::optional<std::string> validate(const BenchConfig& config);
 
 SdpaBackend backend_of(const std::string& impl);  // impl must be valid
+DType dtype_of(const std::string& dtype);         // dtype must be valid
 
 // Floating-point operations of one timed call (see the top of this file).
 double attention_flops(const BenchConfig& config);
@@ -60,6 +62,7 @@ struct BenchResult {
   std::string blas_config;       // openblas_get_config(), or ""
   std::string openblas_coretype; // $OPENBLAS_CORETYPE, or "" if unset
   std::string simd;              // ISA of the peak probe
+  std::string unit;              // the unit whose peak is the roof: "fma" or "bf16-dot"
   std::string kernel;            // the SDPA kernel that ran (attn::sdpa_kernel_name)
   std::string cpu;               // attn::cpu_description(): model and detected features
 };

@@ -105,6 +105,10 @@ int run(int argc, char** argv) {
   bench->add_option("--kernel", bench_config.kernel,
                     "Force one registered kernel by name (`attn kernels` lists them), e.g. "
                     "cpu.flash.avx2");
+  bench->add_option("--dtype", bench_config.dtype,
+                    "Element type of q, k, v: f32, bf16, f16 or f64 (16-bit inputs run natively "
+                    "where a kernel computes them, else widened on a float32 kernel)")
+      ->capture_default_str();
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
                   "the forward's, as FlashAttention does");

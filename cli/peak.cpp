@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -28,6 +29,7 @@ struct Probe {
   const char* isa;
   int lanes;
   int chains;  // vector FMAs per loop iteration
+  int products_per_lane = 1;  // 2 for a dot-product instruction (two products into one lane)
 };
 
 // acc = acc * a + b converges to b / (1 - a) = 1: the values stay normal and finite forever.
@@ -75,6 +77,28 @@ __attribute__((target("avx2,fma"))) float fma_avx2(int64_t iterations) {
   for (int c = 1; c < kChains256; ++c) sum = _mm256_add_ps(sum, acc[c]);
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, sum);
+  float total = 0.0f;
+  for (float x : lanes) total += x;
+  return total;
+}
+
+// The BF16 dot-product unit: vdpbf16ps multiplies 16 x 2 bf16 pairs and adds them into 16
+// float32 lanes, 64 flops. acc += a . b with both pairs 2^-20: each step adds 2^-39, so the
+// accumulators stay normal (the instruction flushes subnormals) for any run length.
+__attribute__((target("avx512f,avx512bf16"))) float dpbf16_avx512(int64_t iterations) {
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x35803580);  // two bf16 2^-20
+  __m512 acc[kChains512];
+#pragma GCC unroll 16
+  for (int c = 0; c < kChains512; ++c) acc[c] = _mm512_set1_ps(1.0f + 0.01f * static_cast<float>(c));
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kChains512; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, a);
+  }
+  __m512 sum = acc[0];
+#pragma GCC unroll 16
+  for (int c = 1; c < kChains512; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
   float total = 0.0f;
   for (float x : lanes) total += x;
   return total;
@@ -149,7 +173,7 @@ Trial run_trial(const Probe& p, int threads, double seconds) {
   g_sink = sink;
   int64_t total = 0;
   for (int64_t n : iterations) total += n;
-  const double flops = static_cast<double>(total) * p.chains * p.lanes * 2.0;
+  const double flops = static_cast<double>(total) * p.chains * p.lanes * 2.0 * p.products_per_lane;
   return {flops / wall * 1e-9, team};
 }
 
@@ -157,8 +181,8 @@ Trial run_trial(const Probe& p, int threads, double seconds) {
 
 std::string fma_isa() { return best_probe().isa; }
 
-PeakResult measure_fma_peak(int threads, double seconds, int trials) {
-  const Probe p = best_probe();
+namespace {
+PeakResult measure(const Probe& p, int threads, double seconds, int trials) {
   threads = std::max(threads, 1);
   run_trial(p, threads, std::min(seconds, 0.05));  // start the threads and settle the clocks
   PeakResult r;
@@ -172,6 +196,21 @@ PeakResult measure_fma_peak(int threads, double seconds, int trials) {
     }
   }
   return r;
+}
+}  // namespace
+
+PeakResult measure_fma_peak(int threads, double seconds, int trials) {
+  return measure(best_probe(), threads, seconds, trials);
+}
+
+std::optional<PeakResult> measure_bf16_dot_peak(int threads, double seconds, int trials) {
+#ifdef ATTN_PEAK_X86
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) {
+    return measure({dpbf16_avx512, "avx512_bf16", 16, kChains512, 2}, threads, seconds, trials);
+  }
+#endif
+  (void)threads, (void)seconds, (void)trials;
+  return std::nullopt;
 }
 
 }  // namespace attn::bench
