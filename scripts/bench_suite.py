@@ -17,6 +17,13 @@ also tells whether another process had the cores: such a run is retried once, th
 
     scripts/bench_suite.py            # full suite -> docs/PERFORMANCE.md (about 20-25 minutes)
     scripts/bench_suite.py --quick    # a few small shapes, table on stdout only (smoke test)
+    scripts/bench_suite.py --standard --dtypes f32,bf16,f16 --threads 2 --reference-max-seq 0
+                                      # the standard shapes (B=1, H=12, L in {1024, 4096},
+                                      # E in {64, 128}, causal and not, forward and backward)
+                                      # in every dtype against PyTorch's same dtype
+
+--dtypes runs each configuration with q, k, v in each dtype (`attn bench --dtype`, and PyTorch's
+tensors converted to torch.bfloat16 / torch.float16); the reference runs in float32 only.
 
 Exit status: 0 if every run succeeded, 1 if some run failed (the table marks it and still gets
 written), 2 for usage errors or a missing attn binary.
@@ -76,9 +83,10 @@ def torch_worker(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     gen = torch.Generator().manual_seed(0)
     b, h, hkv, l, s, e = (spec[k] for k in ("batch", "heads", "kv_heads", "seq", "seq_kv", "dim"))
-    q = torch.randn((b, h, l, e), generator=gen)
-    k = torch.randn((b, hkv, s, e), generator=gen)
-    v = torch.randn((b, hkv, s, e), generator=gen)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[spec.get("dtype", "f32")]
+    q = torch.randn((b, h, l, e), generator=gen).to(dtype)
+    k = torch.randn((b, hkv, s, e), generator=gen).to(dtype)
+    v = torch.randn((b, hkv, s, e), generator=gen).to(dtype)
     kwargs = {"is_causal": spec["causal"]}
     if hkv != h:
         kwargs["enable_gqa"] = True
@@ -88,7 +96,7 @@ def torch_worker(spec: dict) -> None:
         for t in (q, k, v):
             t.requires_grad_(True)
         out = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        dout = torch.randn(out.shape, generator=gen)
+        dout = torch.randn(out.shape, generator=gen).to(dtype)
         for i in range(spec["warmup"] + spec["repeats"]):
             start = time.perf_counter()
             torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -152,7 +160,7 @@ def run_attn(attn: Path, impl: str, cfg: dict) -> dict:
            "--heads", str(cfg["heads"]), "--kv-heads", str(cfg["kv_heads"]),
            "--seq", str(cfg["seq"]), "--seq-kv", str(cfg["seq_kv"]), "--dim", str(cfg["dim"]),
            "--threads", str(cfg["threads"]), "--repeats", str(cfg["repeats"]),
-           "--warmup", str(cfg["warmup"])]
+           "--warmup", str(cfg["warmup"]), "--dtype", cfg.get("dtype", "f32")]
     if cfg["causal"]:
         cmd.append("--causal")
     if cfg.get("backward"):
@@ -217,8 +225,16 @@ class BusyGuard:
                     r["busy"] = True
 
 
-def configurations(quick: bool, threads: list[int], backward: bool = True) -> list[dict]:
-    if quick:
+STANDARD_SEQS = (1024, 4096)
+STANDARD_REPEATS = {1024: (5, 1), 4096: (3, 1)}
+
+
+def configurations(quick: bool, threads: list[int], backward: bool = True,
+                   standard: bool = False, dtypes: tuple[str, ...] = ("f32",)) -> list[dict]:
+    if standard:
+        shapes = [(l, e, c, b, *STANDARD_REPEATS[l])
+                  for b in (False, True) for l in STANDARD_SEQS for e in FULL_DIMS for c in (False, True)]
+    elif quick:
         shapes = [(l, e, c, False, *QUICK_REPEATS) for l, e, c in QUICK_SHAPES]
         shapes += [(l, e, c, True, *QUICK_REPEATS) for l, e, c in QUICK_BACKWARD_SHAPES]
     else:
@@ -227,8 +243,8 @@ def configurations(quick: bool, threads: list[int], backward: bool = True) -> li
         shapes += [(l, e, c, True, *BACKWARD_REPEATS[l])
                    for l in BACKWARD_SEQS for e in FULL_DIMS for c in (False, True)]
     return [{"batch": BATCH, "heads": HEADS, "kv_heads": HEADS, "seq": l, "seq_kv": l, "dim": e,
-             "causal": c, "backward": b, "threads": t, "repeats": r, "warmup": w}
-            for l, e, c, b, r, w in shapes for t in threads if backward or not b]
+             "causal": c, "backward": b, "threads": t, "repeats": r, "warmup": w, "dtype": d}
+            for l, e, c, b, r, w in shapes for t in threads for d in dtypes if backward or not b]
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -305,15 +321,18 @@ def results_table(rows: list[dict]) -> str:
 
 
 def one_table(rows: list[dict]) -> str:
-    header = ["L", "E", "causal", "threads", "fused ms", "fused GFLOP/s", "% of peak",
+    header = ["L", "E", "causal", "threads", "dtype", "kernel", "fused ms", "fused GFLOP/s", "% of peak",
               "reference ms", "torch ms", "vs torch", "vs reference",
               "fused MiB", "reference MiB", "torch MiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in rows:
         cfg, fused, ref, torch = row["config"], row["fused"], row.get("reference"), row.get("torch")
         ok = "error" not in fused
+        kernel = fused.get("kernel", "n/a") if ok else "n/a"
+        if ok and fused.get("unit") == "bf16-dot":
+            kernel += " (of BF16 dot peak)"
         cells = [cfg["seq"], cfg["dim"], "yes" if cfg["causal"] else "no", cfg["threads"],
-                 ms(fused), f"{fused['gflops']:.1f}" if ok else "n/a",
+                 cfg.get("dtype", "f32"), kernel, ms(fused), f"{fused['gflops']:.1f}" if ok else "n/a",
                  f"{100 * fused['peak_ratio']:.1f}" if ok else "n/a",
                  ms(ref) if ref is not None else "skipped",
                  ms(torch) if torch is not None else "skipped",
@@ -394,8 +413,12 @@ def render(args, rows, peaks, torch_version, machine, started, elapsed_s, comman
         "",
         "## Method",
         "",
-        f"- Inputs: random normal float32 q (B, H, L, E), k and v (B, H, S, E) with B={BATCH}, "
-        f"H={HEADS}, S=L; L in {seqs}.",
+        f"- Inputs: random normal q (B, H, L, E), k and v (B, H, S, E) with B={BATCH}, "
+        f"H={HEADS}, S=L; L in {seqs}; drawn in float32 and rounded to the row's dtype "
+        "(bf16, f16) for attn and PyTorch alike. kernel: the attn kernel that ran "
+        "(`attn kernels`); a float32 kernel on 16-bit inputs computes them widened.",
+        "- % of peak: against the FMA peak, except for `cpu.flash.avx512_bf16`, whose roof is the "
+        "BF16 dot unit's peak (vdpbf16ps, `attn bench --peak-only`), measured in the same run.",
         "- Time: median of the timed runs after warmup runs, per L: " + reps + ". "
         "Configurations run one after another (fused, reference, torch), never concurrently.",
         "- GFLOP/s = 4·B·H·L·S·E / median time, halved when causal (FlashAttention's count). "
@@ -445,6 +468,11 @@ def main() -> int:
                         help="run the reference only up to this L (default 4096)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch")
     parser.add_argument("--no-backward", action="store_true", help="skip the backward rows")
+    parser.add_argument("--standard", action="store_true",
+                        help="the standard shapes only: L in {1024, 4096}, E in {64, 128}, "
+                             "causal and not, forward and backward")
+    parser.add_argument("--dtypes", default="f32",
+                        help="comma-separated dtypes of q, k, v: f32, bf16, f16 (default f32)")
     parser.add_argument("--venv", type=Path, default=ROOT / ".cache" / "bench-venv",
                         help="virtual environment for torch (created on first use)")
     parser.add_argument("--output", type=Path, default=None,
@@ -484,14 +512,17 @@ def main() -> int:
 
     guard = BusyGuard(peaks, max(args.retries, 0), machine.get("cores") or os.cpu_count() or 1)
     rows = []
-    configs = configurations(args.quick, threads, not args.no_backward)
+    dtypes = tuple(args.dtypes.split(","))
+    if not dtypes or any(d not in ("f32", "bf16", "f16") for d in dtypes):
+        parser.error(f"--dtypes must be f32, bf16 or f16 separated by commas, got {args.dtypes!r}")
+    configs = configurations(args.quick, threads, not args.no_backward, args.standard, dtypes)
     for n, cfg in enumerate(configs, 1):
         def attn_run(impl):
             # attn bench measures the peak itself, just before timing.
             return guard.run(impl, cfg, lambda: run_attn(args.attn, impl, cfg), lambda r: r)
 
         row = {"config": cfg, "fused": attn_run("fused")}
-        if cfg["seq"] <= args.reference_max_seq:
+        if cfg["seq"] <= args.reference_max_seq and cfg["dtype"] == "f32":
             row["reference"] = attn_run("reference")
         if python is not None:
             # torch's run is checked by a peak measured just before it.
@@ -500,7 +531,7 @@ def main() -> int:
                 return {**run_torch(python, cfg), "peak": peak}
             row["torch"] = guard.run("torch", cfg, torch_run, lambda r: r["peak"])
         rows.append(row)
-        log(f"[{n}/{len(configs)}] {'backward' if cfg['backward'] else 'forward'} "
+        log(f"[{n}/{len(configs)}] {cfg['dtype']} {'backward' if cfg['backward'] else 'forward'} "
             f"L={cfg['seq']} E={cfg['dim']} causal={cfg['causal']} "
             f"threads={cfg['threads']}: fused {ms(row['fused'])} ms, reference "
             f"{ms(row['reference']) + ' ms' if 'reference' in row else 'skipped'}, torch "
