@@ -18,6 +18,8 @@
 //    truth; nothing else is thrown, and valid arguments never throw (except kFused with torch
 //    dropout, which must throw ValueError).
 //  * Shapes of output, attn_weights and lse are as documented, present exactly when asked for.
+//  * The valid problem again with q, k, v rounded to bfloat16 and float16, on kAuto and every
+//    runnable kernel taking the dtype (see "16-bit inputs" at the end of run()).
 //  * Fused output, weights and lse are bit-identical for 1 and 2 threads; kAuto gives the
 //    fused result (the reference's with torch dropout).
 //  * A row whose every key is masked (causal, boolean 0, or additive -inf on finite scores)
@@ -779,6 +781,72 @@ void run(ByteReader& in) {
             attn::fuzz::fuzz_fail("lse: fused %.9g, reference %.9g, truth %.9g (tol %.3g) at row b=%lld i=%lld\n"
                                   "  problem: %s", f, r, t, tol, (long long)b, (long long)i, desc.c_str());
           }
+        }
+      }
+    }
+  }
+
+  // ---- 16-bit inputs -----------------------------------------------------------------------------
+  // The same problem with q, k, v rounded to bfloat16 and to float16, on kAuto and on every
+  // runnable kernel that takes the dtype: nothing throws, the dtype and shape come back, 1 and 2
+  // threads agree bit for bit (NaN for NaN). Where the rounded problem is moderate
+  // (finite inputs below 1e3, a scale of at most 10, finite or -inf additive masks, no overflow),
+  // each kernel's error against the float64 truth of the rounded inputs is at most twice the
+  // widened reference's plus a floor of a few units of the dtype's last place.
+  if (torch_dropout) return;
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    const Tensor q16 = q.view.to(dtype), k16 = k.view.to(dtype), v16 = v.view.to(dtype);
+    bool moderate = !overflow && !(o.scale && std::fabs(*o.scale) > 10.0) && mmax < 1e3;
+    for (const Tensor* t : {&q16, &k16, &v16}) {
+      for (float x : t->to_vector()) moderate = moderate && std::isfinite(x) && std::fabs(x) < 1e3f;
+    }
+    SdpaOptions lo = o;
+    if (lo.scale) lo.scale = static_cast<double>(static_cast<float>(*lo.scale));
+    reference::SdpaResultF64 t16;
+    SdpaResult r16;
+    must_not_throw("f64 truth (16-bit)", [&] { t16 = reference::scaled_dot_product_attention_f64(q16, k16, v16, lo); });
+    SdpaOptions ro = lo;
+    ro.kernel = "reference";
+    must_not_throw("reference (16-bit)", [&] { r16 = scaled_dot_product_attention(q16, k16, v16, ro); });
+    double vmax16 = 0;
+    for (float x : v16.to_vector()) if (std::isfinite(x)) vmax16 = std::max(vmax16, std::fabs(static_cast<double>(x)));
+    auto max_err = [&](const SdpaResult& r) {
+      double m = 0;
+      const std::vector<float> got = r.output.to_vector();
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (std::isnan(t16.output[i]) || std::isnan(got[i])) continue;
+        m = std::max(m, err(got[i], t16.output[i]));
+      }
+      return m;
+    };
+    const double ulp = dtype == DType::kBFloat16 ? 0x1p-8 : 0x1p-11;
+    const double ref_err = max_err(r16);
+    std::vector<std::string> kernels = {""};
+    for (const SdpaKernelInfo& k : sdpa_kernels()) {
+      const bool takes = std::find(k.dtypes.begin(), k.dtypes.end(), dtype) != k.dtypes.end();
+      if (takes && k.runs_on_this_cpu && k.name != "reference") kernels.push_back(k.name);
+    }
+    for (const std::string& name : kernels) {
+      SdpaOptions ko = lo;
+      ko.kernel = name;
+      if (name == "cpu.flash.avx512_bf16" && ko.need_weights) continue;  // refused by design
+      SdpaResult a, b2;
+      must_not_throw("16-bit kernel", [&] { a = scaled_dot_product_attention(q16, k16, v16, ko); });
+      ko.num_threads = 3 - p.threads;
+      must_not_throw("16-bit kernel (other thread count)", [&] { b2 = scaled_dot_product_attention(q16, k16, v16, ko); });
+      ATTN_FUZZ_CHECKF(a.output.dtype() == dtype && a.output.shape() == out_shape,
+                       "16-bit kernel '%s': output dtype/shape; %s", name.c_str(), desc.c_str());
+      ATTN_FUZZ_CHECKF(a.output.to_vector() == b2.output.to_vector() || [&] {
+                         const auto x = a.output.to_vector(), y = b2.output.to_vector();
+                         for (size_t i = 0; i < x.size(); ++i) if (!(x[i] == y[i] || (std::isnan(x[i]) && std::isnan(y[i])))) return false;
+                         return true;
+                       }(), "16-bit kernel '%s' differs between 1 and 2 threads; %s", name.c_str(), desc.c_str());
+      if (moderate) {
+        const double e = max_err(a);
+        const double floor = 4 * ulp * (1 + vmax16) * inv_keep;
+        if (!(e <= 2 * ref_err + floor)) {
+          attn::fuzz::fuzz_fail("%s kernel '%s': error %.3g > 2 * reference error %.3g + %.3g\n  problem: %s",
+                                std::string(dtype_name(dtype)).c_str(), name.c_str(), e, ref_err, floor, desc.c_str());
         }
       }
     }
