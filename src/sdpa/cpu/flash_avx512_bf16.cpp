@@ -10,8 +10,9 @@
 //   st  (BK, 32) f32   scores S^T of one block of BK = 64 keys, one lane per query, so the
 //                      online softmax is lane-wise (as in the float32 kernel, flash_kernel.hpp)
 //   pp  (BK/2, 32) u32 P^T rounded to bf16, as key pairs: pp[j2][q] = (p[2j2][q], p[2j2+1][q])
-//   vp  (BK/2, Evp) u32 V of the key block as key pairs: vp[j2][c] = (v[2j2][c], v[2j2+1][c]),
-//                      packed once per key block and query block (3 % of the P.V work)
+//   vp  (S2, Evp) u32  V of the head as key pairs: vp[j2][c] = (v[2j2][c], v[2j2+1][c]), an odd
+//                      S's last pair has a zero high half; packed once per head by the driver
+//                      (pack_v_pairs) before any query block runs, and shared by all of them
 //   ob  (32, Evp) f32  output accumulator, rescaled when a row's max grows
 // S^T tiles: 8 keys x 2 vectors of queries, per pair of E one broadcast of k's pair and two
 // vdpbf16ps (2 products each) per key. P.V tiles: 4 query rows x 4 vectors of Ev, per key pair
@@ -88,16 +89,31 @@ inline __m512i pair_rows(__m512 even, __m512 odd) {
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
+inline uint32_t load_u32(const uint16_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  return x;
+}
+
 template <int JT>
 inline void scores_tile(const uint32_t* qt2, const uint16_t* kr, int64_t k_row, int64_t E, float* st) {
   __m512 acc[JT][2];
   for (int t = 0; t < JT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-  const int64_t e2n = (E + 1) / 2;
-  for (int64_t e2 = 0; e2 < e2n; ++e2) {
+  const int64_t whole = E / 2;  // pairs read as one 32-bit broadcast from the key row
+  for (int64_t e2 = 0; e2 < whole; ++e2) {
     const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qt2 + e2 * kBQ);
     const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qt2 + e2 * kBQ + 16);
     for (int t = 0; t < JT; ++t) {
-      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(kr + t * k_row, e2, E)));
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_u32(kr + t * k_row + 2 * e2)));
+      acc[t][0] = _mm512_dpbf16_ps(acc[t][0], kb, q0);
+      acc[t][1] = _mm512_dpbf16_ps(acc[t][1], kb, q1);
+    }
+  }
+  if (E % 2 != 0) {  // the odd last element pairs with 0
+    const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qt2 + whole * kBQ);
+    const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qt2 + whole * kBQ + 16);
+    for (int t = 0; t < JT; ++t) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(kr[t * k_row + E - 1]));
       acc[t][0] = _mm512_dpbf16_ps(acc[t][0], kb, q0);
       acc[t][1] = _mm512_dpbf16_ps(acc[t][1], kb, q1);
     }
@@ -168,7 +184,28 @@ inline void pv_chunk(const uint32_t* pp, const uint32_t* vp, int64_t nk2, int64_
 
 int64_t workspace_bytes(int64_t E, int64_t Ev) {
   const int64_t evp = (Ev + 15) / 16 * 16, e2 = (E + 1) / 2;
-  return 4 * (e2 * kBQ + kBK * kBQ + kBK / 2 * kBQ + kBK / 2 * evp + kBQ * evp);
+  return 4 * (e2 * kBQ + kBK * kBQ + kBK / 2 * kBQ + kBQ * evp);
+}
+
+int64_t packed_v_words(int64_t S, int64_t Ev) { return (S + 1) / 2 * ((Ev + 15) / 16 * 16); }
+
+void pack_v_pairs(const uint16_t* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out) {
+  const int64_t evp = (Ev + 15) / 16 * 16;
+  for (int64_t j2 = 0; j2 < (S + 1) / 2; ++j2) {
+    const uint16_t* v0 = v + 2 * j2 * v_row;
+    const bool odd_tail = 2 * j2 + 1 >= S;
+    const uint16_t* v1 = odd_tail ? nullptr : v0 + v_row;
+    uint32_t* dst = out + j2 * evp;
+    int64_t c = 0;
+    for (; c + 16 <= Ev; c += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c)));
+      const __m512i hi = odd_tail ? _mm512_setzero_si512()
+                                  : _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c)));
+      _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (; c < Ev; ++c) dst[c] = v0[c] | (odd_tail ? 0u : static_cast<uint32_t>(v1[c]) << 16);
+    for (; c < evp; ++c) dst[c] = 0u;
+  }
 }
 
 void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace) {
@@ -176,8 +213,7 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   auto* qt2 = static_cast<uint32_t*>(workspace);
   auto* st = reinterpret_cast<float*>(qt2 + e2n * kBQ);
   auto* pp = reinterpret_cast<uint32_t*>(st + kBK * kBQ);
-  uint32_t* vp = pp + kBK / 2 * kBQ;
-  auto* ob = reinterpret_cast<float*>(vp + kBK / 2 * evp);
+  auto* ob = reinterpret_cast<float*>(pp + kBK / 2 * kBQ);
 
   for (int64_t e2 = 0; e2 < e2n; ++e2) {
     for (int64_t q = 0; q < kBQ; ++q) qt2[e2 * kBQ + q] = q < b.nq ? pair_at(b.q + q * p.q_row, e2, p.E) : 0u;
@@ -228,7 +264,8 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
     }
     if (p.dropout_p > 0.0f) dropout_block(p, b, j0, nk, st);
 
-    // P^T and V as key pairs; an odd last key pairs with a zero weight and a zero value row.
+    // P^T as key pairs; an odd last key pairs with a zero weight (and, in vp, a zero value row,
+    // or the next block's first key: kBK is even, so only the head's last key is ever odd).
     if (nk % 2 != 0) std::memset(st + nk * kBQ, 0, kBQ * sizeof(float));
     for (int64_t j2 = 0; j2 < nk2; ++j2) {
       for (int h = 0; h < 2; ++h) {
@@ -236,12 +273,8 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
                                      _mm512_loadu_ps(st + (2 * j2 + 1) * kBQ + h * 16));
         _mm512_storeu_si512(pp + j2 * kBQ + h * 16, pr);
       }
-      const uint16_t* v0 = b.v + (j0 + 2 * j2) * p.v_row;
-      const uint16_t* v1 = 2 * j2 + 1 < nk ? v0 + p.v_row : nullptr;
-      uint32_t* dst = vp + j2 * evp;
-      for (int64_t c = 0; c < p.Ev; ++c) dst[c] = v0[c] | (v1 != nullptr ? static_cast<uint32_t>(v1[c]) << 16 : 0u);
-      for (int64_t c = p.Ev; c < evp; ++c) dst[c] = 0u;
     }
+    const uint32_t* vp = b.vp + j0 / 2 * evp;
     int64_t c0 = 0;
     for (; c0 + 64 <= evp; c0 += 64) pv_chunk<4>(pp, vp, nk2, evp, c0, ob);
     for (; c0 < evp; c0 += 16) pv_chunk<1>(pp, vp, nk2, evp, c0, ob);

@@ -51,6 +51,18 @@ SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, co
   auto* const out = static_cast<uint16_t*>(result.output.raw_data());
   float* const lse = options.need_lse ? result.lse.data() : nullptr;
 
+  // V of every key/value head as key pairs, once, before any query block reads it.
+  const int64_t kv_heads = p.batch / p.group, vwords = avx512_bf16::packed_v_words(p.S, p.Ev);
+  std::vector<uint32_t> vpacked(static_cast<size_t>(kv_heads * vwords));
+  auto first_query_head = [&](int64_t kvh) {  // a query (batch, head) reading kv head kvh
+    return (kvh / p.heads_kv) * p.heads_q + (kvh % p.heads_kv) * p.group;
+  };
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+    avx512_bf16::pack_v_pairs(vd + detail::kv_lead_offset(v, p, first_query_head(kvh)), fp.v_row, p.S,
+                              p.Ev, vpacked.data() + kvh * vwords);
+  }
+
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> ws(static_cast<size_t>((ws_bytes + 3) / 4));
@@ -63,7 +75,7 @@ SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, co
       blk.bh = b;
       blk.q = qd + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
       blk.k = kd + detail::kv_lead_offset(k, p, b);
-      blk.v = vd + detail::kv_lead_offset(v, p, b);
+      blk.vp = vpacked.data() + ((b / p.heads_q) * p.heads_kv + (b % p.heads_q) / p.group) * vwords;
       blk.o = out + (b * p.L + i0) * p.Ev;
       blk.lse = lse != nullptr ? lse + b * p.L + i0 : nullptr;
       if (p.mask.defined()) blk.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i0 * fp.mask_row;
