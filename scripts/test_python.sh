@@ -6,17 +6,25 @@
 # PyTorch: Debian's python3-torch (1.13, CPU-only, from apt) -- it installs reliably in about a
 # minute, where PyPI's default torch wheel pulls several GB of CUDA libraries. The venv
 # (.cache/py-venv, Debian's /usr/bin/python3) is created with --system-site-packages so that it
-# sees Debian's torch, numpy and pytest; only attn itself is installed into it.
+# sees Debian's torch, numpy and pytest; only attn itself and ml_dtypes are installed into it.
+#
+# ml_dtypes (PyPI): the bfloat16 NumPy dtype (NumPy has none; JAX's), which attn takes and returns
+# for bfloat16 -- the tests compare bf16 results with it. Installed with numpy pinned to the
+# version the venv already sees, so pip never pulls a NumPy that Debian's torch was not built for.
 # Fails if torch cannot be imported (the comparisons with PyTorch must not be skipped in CI).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 "$root/scripts/install-deps.sh" python3-dev python3-venv python3-pip python3-numpy python3-pytest python3-torch
 venv="$root/.cache/py-venv"
 [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$venv"
+numpy_version="$("$venv/bin/python" -c 'import numpy; print(numpy.__version__)')"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check ml_dtypes \
+  --constraint <(echo "numpy==$numpy_version")
 started=$SECONDS
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "$root"
 echo "test_python: pip install . took $((SECONDS - started)) s"
 "$venv/bin/python" -c 'import torch; print("test_python: torch", torch.__version__)'
+"$venv/bin/python" -c 'import ml_dtypes; print("test_python: ml_dtypes", ml_dtypes.__version__)'
 # From outside the tree, so `import attn` is the installed package, not python/attn.
 cd "$(mktemp -d)"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$root/tests/python"

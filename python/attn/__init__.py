@@ -6,8 +6,14 @@ MultiheadAttention, a generator that reproduces PyTorch's weights and dropout ma
 (``manual_seed``), and safetensors files with PyTorch's state_dict names.
 
 Inputs are NumPy arrays or DLPack tensors (PyTorch CPU tensors), read in place when they are
-float32 with non-negative strides; outputs are NumPy arrays. Kernels run without the GIL.
+float32 with non-negative strides (and, for ``scaled_dot_product_attention``, float64, float16
+and bfloat16 too); outputs are NumPy arrays. Kernels run without the GIL. bfloat16 arrays are
+``ml_dtypes.bfloat16`` NumPy arrays (NumPy has no bfloat16 of its own); ``ml_dtypes`` is only
+imported when a bfloat16 array comes in or goes out.
 """
+import numpy as _np
+
+from ._attn import _scaled_dot_product_attention
 from ._attn import (  # noqa: F401
     CausalAttention,
     Dropout,
@@ -26,7 +32,7 @@ from ._attn import (  # noqa: F401
     rand,
     randn,
     save_file,
-    scaled_dot_product_attention,
+    sdpa_kernels,
 )
 
 __version__ = "0.1.0"
@@ -35,5 +41,68 @@ __all__ = [
     "CausalAttention", "Dropout", "Embedding", "FormatError", "Linear", "Module",
     "MultiheadAttention", "MultiHeadAttention", "MultiHeadAttentionWrapper", "SelfAttentionV1",
     "SelfAttentionV2", "load_file", "load_metadata", "manual_seed", "rand", "randn", "save_file",
-    "scaled_dot_product_attention",
+    "scaled_dot_product_attention", "sdpa_kernels",
 ]
+
+
+def _is_bfloat16(x):
+    """True for an ml_dtypes.bfloat16 NumPy array and a torch.bfloat16 tensor (by name, so that
+    neither ml_dtypes nor torch is imported here)."""
+    dt = getattr(x, "dtype", None)
+    return dt is not None and str(dt) in ("bfloat16", "torch.bfloat16")
+
+
+def _ml_bfloat16():
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(
+            "attn returns bfloat16 results as ml_dtypes.bfloat16 NumPy arrays (NumPy has no "
+            "bfloat16 of its own): install ml_dtypes (pip install ml_dtypes), or pass float32 "
+            "inputs") from None
+    return ml_dtypes.bfloat16
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *, kernel=None):
+    """torch.nn.functional.scaled_dot_product_attention.
+
+    query (..., L, E), key (..., S, E), value (..., S, Ev) -> (..., L, Ev), with leading dims
+    (B, H), (H) or none. attn_mask: a bool array (True = the key takes part) or a float array
+    (any floating dtype) added to the scores, broadcastable to (..., L, S). dropout_p draws from
+    attn's default generator exactly as PyTorch's math path does (attn.manual_seed). scale
+    defaults to 1/sqrt(E). enable_gqa lets key/value have fewer heads than query.
+
+    dtypes: query, key and value must share one (mixed dtypes raise TypeError naming them), and
+    the result has it:
+
+    - float32 runs on attn's kernels (read in place when the strides allow);
+    - float16 (NumPy's or torch.float16) and bfloat16 (``ml_dtypes.bfloat16`` NumPy arrays or
+      torch.bfloat16 tensors) compute in float32 (softmax and accumulation; a native bfloat16
+      kernel where the CPU has AVX512-BF16) and round the output to the input dtype once, as
+      PyTorch does. A float16 result is a NumPy float16 array, a bfloat16 one an
+      ``ml_dtypes.bfloat16`` array (TypeError asking to install ml_dtypes if it is missing);
+    - float64 (NumPy's default) runs on the float64 reference: the inputs are read as float64
+      (no rounding to float32) and every product and sum is in float64.
+
+    kernel: a kernel name from :func:`sdpa_kernels` ("reference", "cpu.flash.avx2", ...) to run
+    that kernel, ValueError if it is unknown or cannot take the call (this CPU lacks a feature,
+    the dtype is not one it computes, dropout needs the reference); None picks the best one.
+
+    A row whose every key is masked gives 0, not NaN. Raises TypeError for integer, bool or other
+    dtypes, mixed dtypes and GPU tensors, ValueError for bad shapes or values.
+    """
+    bits = 0
+    args = [query, key, value, attn_mask]
+    for i, a in enumerate(args):
+        if isinstance(a, _np.ndarray) and str(a.dtype) == "bfloat16":  # ml_dtypes.bfloat16
+            args[i] = a.view(_np.uint16)
+            bits |= 1 << i
+    if all(_is_bfloat16(a) for a in (query, key, value)):
+        _ml_bfloat16()  # the result will be bfloat16: fail before computing if it cannot be returned
+    out = _scaled_dot_product_attention(*args, dropout_p=dropout_p, is_causal=is_causal,
+                                        scale=scale, enable_gqa=enable_gqa, kernel=kernel,
+                                        bf16_bits=bits)
+    if out.dtype == _np.uint16:  # bfloat16 bits
+        out = out.view(_ml_bfloat16())
+    return out

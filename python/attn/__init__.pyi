@@ -1,5 +1,5 @@
 """Type stubs for attn (the extension module attn._attn). See docs/API.md."""
-from typing import Any, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Tuple, TypedDict, TypeVar, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +22,24 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
-) -> npt.NDArray[Union[np.float32, np.float64]]: ...
+    *,
+    kernel: Optional[str] = None,
+) -> npt.NDArray[Any]:
+    """torch.nn.functional.scaled_dot_product_attention; the result has the inputs' dtype:
+    float32, float64 (computed in float64), float16, or bfloat16 (an ml_dtypes.bfloat16 array).
+    kernel: a name from sdpa_kernels() to force one kernel (ValueError if unknown or unable)."""
+    ...
+
+class SdpaKernel(TypedDict):
+    name: str
+    family: Literal["reference", "fused"]
+    dtypes: list[str]
+    runs_on_this_cpu: bool
+    reason_if_not: str
+
+def sdpa_kernels() -> list[SdpaKernel]:
+    """Every kernel behind scaled_dot_product_attention, highest priority first."""
+    ...
 def manual_seed(seed: int) -> None: ...
 def rand(size: Sequence[int]) -> F32: ...
 def randn(size: Sequence[int]) -> F32: ...

@@ -45,21 +45,23 @@ std::optional<Input> optional_input(const nb::handle& obj, const char* arg) {
 
 // ---- scaled_dot_product_attention -----------------------------------------------------------
 
+// The binding behind attn.scaled_dot_product_attention (attn/__init__.py), in the inputs' dtype.
+// `bf16_bits`: which arguments are bfloat16 bits in a uint16 array (bit 0 query, 1 key, 2 value,
+// 3 attn_mask), as __init__.py passes ml_dtypes.bfloat16 arrays. A bfloat16 result comes back as
+// its uint16 bits (NumPy has no bfloat16) for __init__.py to view as ml_dtypes.bfloat16.
 nb::object sdpa(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask,
-                double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  const Input q = float_input(query, "query"), k = float_input(key, "key"),
-              v = float_input(value, "value");
+                double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
+                std::optional<std::string> kernel, int bf16_bits) {
+  const Input q = sdpa_input(query, "query", bf16_bits & 1), k = sdpa_input(key, "key", bf16_bits & 2),
+              v = sdpa_input(value, "value", bf16_bits & 4);
   for (const Input* in : {&q, &k, &v}) {
     if (in->kind == Kind::kBool) {
-      throw nb::type_error("query, key and value must be float32 or float64 arrays, got bool");
+      throw nb::type_error("query, key and value must be float32, float64, float16 or bfloat16 "
+                           "arrays, got bool");
     }
   }
-  if (q.kind != k.kind || q.kind != v.kind) {
-    auto name = [](Kind kd) { return kd == Kind::kFloat64 ? "float64" : "float32"; };
-    throw nb::type_error((std::string("query, key and value must have the same dtype, got query ") +
-                          name(q.kind) + ", key " + name(k.kind) + ", value " + name(v.kind)).c_str());
-  }
-  const std::optional<Input> mask = optional_input(attn_mask, "attn_mask");
+  std::optional<Input> mask;
+  if (!attn_mask.is_none()) mask = sdpa_input(attn_mask, "attn_mask", bf16_bits & 8);
   SdpaOptions opt;
   if (mask) opt.attn_mask = mask->kind == Kind::kBool ? AttnMask::boolean(mask->view) : AttnMask::additive(mask->view);
   if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) {
@@ -69,13 +71,17 @@ nb::object sdpa(nb::handle query, nb::handle key, nb::handle value, nb::handle a
   opt.is_causal = is_causal;
   opt.scale = scale;
   opt.enable_gqa = enable_gqa;
+  opt.kernel = kernel.value_or("");
   const bool draws = opt.dropout_p > 0.0f;
-  if (q.kind == Kind::kFloat64) {
-    // float64 in, float64 out: the float64 reference. It draws dropout from a copy of the
-    // generator, so draw the same mask on the real one to advance it as torch would.
+  const bool f64 = q.kind == Kind::kFloat64 && k.kind == Kind::kFloat64 && v.kind == Kind::kFloat64;
+  if (f64 && draws && (opt.kernel.empty() || opt.kernel == "reference")) {
+    // float64 with PyTorch's dropout stream, which the library's float64 path refuses (its
+    // reference draws the mask from a copy of the generator, so every call would drop the same
+    // weights): run that reference and draw the same mask on the real generator to advance it
+    // as torch would. The inputs are read as float64, never rounded.
     reference::SdpaResultF64 r = without_gil(draws, [&] {
       reference::SdpaResultF64 res = reference::scaled_dot_product_attention_f64(q.view, k.view, v.view, opt);
-      if (opt.dropout_p > 0.0f && opt.dropout_p < 1.0f) {
+      if (opt.dropout_p < 1.0f) {  // p = 1 drops everything without drawing (F.dropout)
         Tensor noise = Tensor::empty(res.weights_shape);
         bernoulli_(noise, 1.0 - static_cast<double>(opt.dropout_p));
       }
@@ -83,8 +89,26 @@ nb::object sdpa(nb::handle query, nb::handle key, nb::handle value, nb::handle a
     });
     return to_numpy(std::move(r.output), r.output_shape);
   }
+  // float32, bfloat16 and float16 on the chosen kernel (output in the input dtype); float64 on
+  // the reference in float64.
   SdpaResult r = without_gil(draws, [&] { return scaled_dot_product_attention(q.view, k.view, v.view, opt); });
   return to_numpy(std::move(r.output));
+}
+
+nb::list sdpa_kernel_list() {
+  nb::list out;
+  for (const SdpaKernelInfo& info : sdpa_kernels()) {
+    nb::dict d;
+    d["name"] = info.name;
+    d["family"] = info.family == SdpaBackend::kReference ? "reference" : "fused";
+    nb::list dtypes;
+    for (DType t : info.dtypes) dtypes.append(std::string(attn::dtype_name(t)));
+    d["dtypes"] = dtypes;
+    d["runs_on_this_cpu"] = info.runs_on_this_cpu;
+    d["reason_if_not"] = info.reason_if_not;
+    out.append(d);
+  }
+  return out;
 }
 
 // ---- modules ----------------------------------------------------------------------------------
@@ -135,6 +159,8 @@ NB_MODULE(_attn, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const attn::ValueError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const DTypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
     } catch (const attn::IndexError& e) {
       PyErr_SetString(PyExc_IndexError, e.what());
     } catch (const IoError& e) {
@@ -144,21 +170,17 @@ NB_MODULE(_attn, m) {
     }
   });
 
-  m.def("scaled_dot_product_attention", &sdpa, "query"_a, "key"_a, "value"_a,
+  m.def("_scaled_dot_product_attention", &sdpa, "query"_a, "key"_a, "value"_a,
         "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0, "is_causal"_a = false,
-        "scale"_a = nb::none(), "enable_gqa"_a = false,
-        R"(torch.nn.functional.scaled_dot_product_attention.
-
-query (..., L, E), key (..., S, E), value (..., S, Ev) -> (..., L, Ev), with leading dims
-(B, H), (H) or none. attn_mask: a bool array (True = the key takes part) or a float array added
-to the scores, broadcastable to (..., L, S). dropout_p draws from attn's default generator
-exactly as PyTorch's math path does (attn.manual_seed). scale defaults to 1/sqrt(E).
-enable_gqa lets key/value have fewer heads than query.
-
-float32 inputs run on attn's kernels (zero-copy when the strides allow) and return float32;
-float64 inputs run on the float64 reference (inputs rounded to float32 first, every product and
-sum in float64) and return float64. A row whose every key is masked gives 0, not NaN.
-Raises TypeError for other dtypes or GPU tensors, ValueError for bad shapes or values.)");
+        "scale"_a = nb::none(), "enable_gqa"_a = false, "kernel"_a = nb::none(), "bf16_bits"_a = 0,
+        R"(The binding behind attn.scaled_dot_product_attention (see its docstring). bf16_bits
+marks arguments holding bfloat16 bits as uint16 (bit 0 query, 1 key, 2 value, 3 attn_mask); a
+bfloat16 result is returned as its uint16 bits.)");
+  m.def("sdpa_kernels", &sdpa_kernel_list,
+        R"(Every kernel behind scaled_dot_product_attention, highest priority first, as dicts:
+name (what kernel= takes), family ("reference" or "fused"), dtypes (the element types it
+computes, e.g. ["float32", "bfloat16", "float16"]), runs_on_this_cpu, and reason_if_not (the CPU
+features this machine lacks; "" when it runs).)");
 
   m.def("manual_seed", [](uint64_t seed) {
     std::lock_guard<std::mutex> lock(rng_mutex);

@@ -156,6 +156,59 @@ Input float_input(nb::handle obj, const char* arg) {
   return in;
 }
 
+Input sdpa_input(nb::handle obj, const char* arg, bool bf16_bits) {
+  Input in;
+  in.array = read_array(obj, arg);
+  const nb::ndarray<nb::ro>& a = in.array;
+  const Shape shape = shape_of(a, arg);
+  const nb::dlpack::dtype dt = a.dtype();
+  DType dtype;
+  if (bf16_bits) {
+    if (!is(dt, dtype_code::UInt, 16)) {
+      throw nb::type_error((std::string(arg) + ": bfloat16 bits must be a uint16 array, got " +
+                            dtype_name(dt)).c_str());
+    }
+    in.kind = Kind::kBFloat16;
+    dtype = DType::kBFloat16;
+  } else if (is(dt, dtype_code::Float, 32)) {
+    in.kind = Kind::kFloat32;
+    dtype = DType::kFloat32;
+  } else if (is(dt, dtype_code::Float, 64)) {
+    in.kind = Kind::kFloat64;
+    dtype = DType::kFloat64;
+  } else if (is(dt, dtype_code::Float, 16)) {
+    in.kind = Kind::kFloat16;
+    dtype = DType::kFloat16;
+  } else if (is(dt, dtype_code::Bfloat, 16)) {
+    in.kind = Kind::kBFloat16;
+    dtype = DType::kBFloat16;
+  } else if (is(dt, dtype_code::Bool, 8)) {
+    in.kind = Kind::kBool;  // one byte, 0 or 1: an int8 boolean mask
+    dtype = DType::kInt8;
+  } else {
+    throw nb::type_error((std::string(arg) + ": expected a float32, float64, float16 or bfloat16 "
+                          "array, got " + dtype_name(dt) +
+                          " (convert it explicitly, e.g. x.astype(numpy.float32))").c_str());
+  }
+  bool positive_strides = true;
+  for (size_t i = 0; i < a.ndim(); ++i) positive_strides = positive_strides && a.stride(i) >= 0;
+  if (positive_strides) {
+    Shape strides;
+    for (size_t i = 0; i < a.ndim(); ++i) strides.push_back(a.stride(i));
+    // The kernels never write through input views, so dropping const is safe.
+    in.view = TensorView(const_cast<void*>(a.data()), dtype, shape, strides);
+    return in;
+  }
+  in.copy = Tensor::empty(shape, dtype);
+  auto* out = static_cast<uint8_t*>(in.copy.raw_data());
+  const size_t item = static_cast<size_t>(dtype_size(dtype));
+  for_each_element(a, item, [&](int64_t i, const uint8_t* p) {
+    std::memcpy(out + static_cast<size_t>(i) * item, p, item);
+  });
+  in.view = in.copy;
+  return in;
+}
+
 std::vector<int64_t> int_input(nb::handle obj, const char* arg, Shape& shape) {
   const nb::ndarray<nb::ro> a = read_array(obj, arg);
   shape = shape_of(a, arg);
@@ -192,10 +245,22 @@ nb::object to_numpy(Tensor&& t) {
   nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
   size_t shape[kMaxDims];
   for (int i = 0; i < owned->dim(); ++i) shape[i] = static_cast<size_t>(owned->size(i));
+  nb::dlpack::dtype dt{};
+  dt.lanes = 1;
+  dt.bits = static_cast<uint8_t>(8 * owned->element_size());
+  switch (owned->dtype()) {
+    case DType::kFloat32:
+    case DType::kFloat64:
+    case DType::kFloat16: dt.code = static_cast<uint8_t>(dtype_code::Float); break;
+    case DType::kBFloat16: dt.code = static_cast<uint8_t>(dtype_code::UInt); break;  // the bits
+    case DType::kInt8:
+    case DType::kInt32: dt.code = static_cast<uint8_t>(dtype_code::Int); break;
+  }
   // An empty tensor may have no storage; NumPy still wants a non-null pointer.
-  static float dummy = 0.0f;
-  float* data = owned->data() ? owned->data() : &dummy;
-  return nb::cast(nb::ndarray<nb::numpy, float>(data, static_cast<size_t>(owned->dim()), shape, owner));
+  alignas(8) static uint8_t dummy[8] = {};
+  void* data = owned->raw_data() ? owned->raw_data() : dummy;
+  return nb::cast(nb::ndarray<nb::numpy>(data, static_cast<size_t>(owned->dim()), shape, owner,
+                                         nullptr, dt));
 }
 
 nb::object to_numpy(std::vector<double>&& values, const Shape& shape) {

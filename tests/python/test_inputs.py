@@ -30,12 +30,11 @@ def test_float64_runs_the_float64_reference_and_returns_float64():
     q = rnd(3, 4, 6, dtype=np.float64)
     out = attn.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert out.dtype == np.float64
-    q32 = q.astype(np.float32).astype(np.float64)  # the float64 path reads float32-rounded inputs
-    s = q32 @ q32.transpose(0, 2, 1) / np.sqrt(6)
+    s = q @ q.transpose(0, 2, 1) / np.sqrt(6)  # the float64 path reads float64, never rounded
     s = np.where(np.tril(np.ones((4, 4), bool)), s, -np.inf)
     w = np.exp(s - s.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
-    np.testing.assert_allclose(out, w @ q32, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(out, w @ q, rtol=0, atol=1e-12)
 
 
 def test_python_lists_follow_numpy_dtypes():
@@ -44,10 +43,18 @@ def test_python_lists_follow_numpy_dtypes():
     np.testing.assert_array_equal(out, [[3.0, 4.0]])
 
 
-@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.float16, np.complex64])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.uint16, np.complex64])
 def test_other_dtypes_raise_type_error(dtype):
     q = np.ones((2, 3), dtype=dtype)
-    with pytest.raises(TypeError, match=r"^query: expected a float32 or float64 array, got "):
+    with pytest.raises(TypeError, match=r"^query: expected a float32, float64, float16 or bfloat16 array, got "):
+        attn.scaled_dot_product_attention(q, q, q)
+    with pytest.raises(TypeError, match=r"^x: expected a float32 or float64 array, got "):
+        attn.Linear(3, 2)(q)  # the modules compute in float32
+
+
+def test_bool_query_raises_type_error():
+    q = np.ones((2, 3), dtype=bool)
+    with pytest.raises(TypeError, match="query, key and value must be float32, float64, float16 or bfloat16 arrays, got bool"):
         attn.scaled_dot_product_attention(q, q, q)
 
 
