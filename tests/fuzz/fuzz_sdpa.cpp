@@ -18,8 +18,8 @@
 //    truth; nothing else is thrown, and valid arguments never throw (except kFused with torch
 //    dropout, which must throw ValueError).
 //  * Shapes of output, attn_weights and lse are as documented, present exactly when asked for.
-//  * The valid problem again with q, k, v rounded to bfloat16 and float16, on kAuto and every
-//    runnable kernel taking the dtype (see "16-bit inputs" at the end of run()).
+//  * One valid problem in four again with q, k, v rounded to bfloat16 and float16, on kAuto and
+//    every runnable kernel taking the dtype (see "16-bit inputs" at the end of run()).
 //  * Fused output, weights and lse are bit-identical for 1 and 2 threads; kAuto gives the
 //    fused result (the reference's with torch dropout).
 //  * A row whose every key is masked (causal, boolean 0, or additive -inf on finite scores)
@@ -793,7 +793,9 @@ void run(ByteReader& in) {
   // (finite inputs below 1e3, a scale of at most 10, finite or -inf additive masks, no overflow),
   // each kernel's error against the float64 truth of the rounded inputs is at most twice the
   // widened reference's plus a floor of a few units of the dtype's last place.
-  if (torch_dropout) return;
+  // One valid input in four (by its value seed) takes this path: it costs two more float64
+  // truths and a run per kernel, and the float32 checks above deserve most of the executions.
+  if (torch_dropout || (p.value_seed & 3) != 0) return;
   for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     const Tensor q16 = q.view.to(dtype), k16 = k.view.to(dtype), v16 = v.view.to(dtype);
     bool moderate = !overflow && !(o.scale && std::fabs(*o.scale) > 10.0) && mmax < 1e3;
@@ -836,11 +838,12 @@ void run(ByteReader& in) {
       must_not_throw("16-bit kernel (other thread count)", [&] { b2 = scaled_dot_product_attention(q16, k16, v16, ko); });
       ATTN_FUZZ_CHECKF(a.output.dtype() == dtype && a.output.shape() == out_shape,
                        "16-bit kernel '%s': output dtype/shape; %s", name.c_str(), desc.c_str());
-      ATTN_FUZZ_CHECKF(a.output.to_vector() == b2.output.to_vector() || [&] {
-                         const auto x = a.output.to_vector(), y = b2.output.to_vector();
-                         for (size_t i = 0; i < x.size(); ++i) if (!(x[i] == y[i] || (std::isnan(x[i]) && std::isnan(y[i])))) return false;
-                         return true;
-                       }(), "16-bit kernel '%s' differs between 1 and 2 threads; %s", name.c_str(), desc.c_str());
+      const std::vector<float> x1 = a.output.to_vector(), x2 = b2.output.to_vector();
+      bool same_bits = x1.size() == x2.size();
+      for (size_t i = 0; same_bits && i < x1.size(); ++i) {
+        same_bits = x1[i] == x2[i] || (std::isnan(x1[i]) && std::isnan(x2[i]));
+      }
+      ATTN_FUZZ_CHECKF(same_bits, "16-bit kernel '%s' differs between 1 and 2 threads; %s", name.c_str(), desc.c_str());
       if (moderate) {
         const double e = max_err(a);
         const double floor = 4 * ulp * (1 + vmax16) * inv_keep;
