@@ -7,8 +7,8 @@
 //             causal; ff.layers.0 = Linear(C, r*C), GELU, ff.layers.2 = Linear(r*C, C))
 //   final_norm, out_head (Linear(C, V), no bias; or tied: logits = x @ tok_emb.weight^T)
 // With AttentionKind::kUniform every attention is replaced by the uniform average over the
-// current and previous positions (scaled_dot_product_attention with scale 0: all scores equal),
-// the ablation showing that the task needs content-based attention.
+// current and previous positions (the module's scale set to 0: all scores equal), the ablation
+// showing that the task needs content-based attention.
 #pragma once
 
 #include <cstdint>
@@ -64,14 +64,16 @@ class FeedForward : public nn::Module {
   nn::Linear fc2;
 };
 
-// Per layer, the keys and values of every position seen so far, preallocated for the whole
-// context: keys[l], values[l] are (B, H, context_length, head_dim); rows [0, length) are filled.
+// The model's KV cache: one nn::KVCacheLayer per block, each preallocated for the whole context
+// ((B, H, context_length, head_dim) keys and values). `length` is the number of positions
+// decoded; GPTModel::forward_cached sets every layer's length from it before a call, so
+// rewinding `length` rewinds every layer.
 struct KVCache {
   KVCache(const GPTConfig& config, int64_t batch);
   void reset() { length = 0; }
 
   int64_t batch, length = 0, capacity;
-  std::vector<Tensor> keys, values;
+  std::vector<nn::KVCacheLayer> layers;
 };
 
 class TransformerBlock : public nn::Module {
@@ -80,11 +82,11 @@ class TransformerBlock : public nn::Module {
   Tensor forward(const TensorView& x);  // (B, T, C) -> (B, T, C); saves for backward
   Tensor forward(const TensorView& x) const;
   Tensor backward(const TensorView& grad_output);  // -> dL/dx (B, T, C)
-  // Inference on L new positions of x (B, L, C) at positions [cache.length, cache.length + L):
-  // appends their keys and values to layer `layer` of the cache (does not advance its length)
-  // and attends over every cached position (bottom-right causal). weights: if non-null, gets
-  // the attention weights (B, H, L, length + L).
-  Tensor forward_cached(const TensorView& x, KVCache& cache, int64_t layer, Tensor* weights) const;
+  // Inference on L new positions of x (B, L, C) at positions [cache.length, cache.length + L)
+  // through att.forward_cached: appends their keys and values to this block's cache (which
+  // advances by L) and attends over every cached position. weights: if non-null, gets the
+  // attention weights (B, H, L, cache.length + L).
+  Tensor forward_cached(const TensorView& x, nn::KVCacheLayer& cache, Tensor* weights) const;
 
   nn::NamedTensors named_parameters() override;
   nn::NamedTensors named_grads() override;
@@ -93,19 +95,9 @@ class TransformerBlock : public nn::Module {
 
   AttentionKind attention;
   nn::LayerNorm norm1;
-  nn::MultiHeadAttention att;
+  nn::MultiHeadAttention att;  // kUniform: att.scale = 0
   nn::LayerNorm norm2;
   FeedForward ff;
-
- private:
-  Tensor attend(const TensorView& h);  // recording attention (softmax: the module's own)
-  Tensor attend_backward(const TensorView& grad_output);
-  struct UniformSaved {
-    Tensor values;  // (B, T, C): the W_value projection
-    SdpaResult result;
-    SdpaOptions options;
-  };
-  std::optional<UniformSaved> uniform_saved_;
 };
 
 class GPTModel : public nn::Module {

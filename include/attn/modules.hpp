@@ -271,6 +271,24 @@ class MultiHeadAttentionWrapper : public Module {
   std::optional<Shape> saved_output_shape_;
 };
 
+// One attention layer's keys and values for incremental decoding, preallocated for `capacity`
+// positions so that appending never reallocates: keys and values are
+// (batch, num_heads, capacity, head_dim), positions [0, length) hold data. Rows at or past
+// `length` are stale, so rewinding `length` (reset(), or to a shared prefix) is all it takes to
+// decode again from there.
+struct KVCacheLayer {
+  // Zero-filled; ValueError naming the argument for a non-positive size.
+  KVCacheLayer(int64_t batch, int64_t num_heads, int64_t capacity, int64_t head_dim);
+  int64_t batch() const { return keys.size(0); }
+  int64_t num_heads() const { return keys.size(1); }
+  int64_t capacity() const { return keys.size(2); }
+  int64_t head_dim() const { return keys.size(3); }
+  void reset() { length = 0; }
+
+  Tensor keys, values;
+  int64_t length = 0;
+};
+
 // Section 3.6.2: one projection of width d_out split into num_heads heads of d_out/num_heads,
 // causal attention per head, heads merged and passed through out_proj.
 class MultiHeadAttention : public Module {
@@ -281,6 +299,19 @@ class MultiHeadAttention : public Module {
   Tensor forward(const TensorView& x);  // (b, num_tokens, d_in) -> (b, num_tokens, d_out)
   Tensor forward(const TensorView& x) const;
   Tensor backward(const TensorView& grad_output);  // -> (b, num_tokens, d_in)
+  // Incremental decoding, inference only (saves nothing, no dropout): x (b, L, d_in) holds
+  // positions [cache.length, cache.length + L). Their keys and values are written into the
+  // cache, which advances by L, and the L queries attend causally over all cached positions
+  // (bottom-right alignment: query i sees positions <= cache.length + i), then out_proj:
+  // -> (b, L, d_out), what forward() gives for those rows of the whole sequence.
+  // attn_weights: if non-null, receives the weights (b, num_heads, L, cache.length + L).
+  // ShapeError, with the cache left unchanged, for an x or a cache that does not fit this
+  // module, or L positions past the cache's capacity.
+  Tensor forward_cached(const TensorView& x, KVCacheLayer& cache,
+                        Tensor* attn_weights = nullptr) const;
+  // A cache for this module: (batch, num_heads, capacity, head_dim), capacity by default its
+  // context_length.
+  KVCacheLayer make_cache(int64_t batch, std::optional<int64_t> capacity = std::nullopt) const;
   NamedTensors named_parameters() override;
   NamedTensors named_grads() override;
   NamedTensors named_buffers() override;
@@ -291,6 +322,10 @@ class MultiHeadAttention : public Module {
   Linear W_query, W_key, W_value, out_proj;
   Dropout dropout;
   Tensor mask;
+  // scaled_dot_product_attention's `scale` for every forward and backward: nullopt is its
+  // 1/sqrt(head_dim). 0 makes every score equal, so each query averages the values of its
+  // causal window uniformly (the ablation of gpt::AttentionKind::kUniform).
+  std::optional<double> scale;
 
  private:
   template <typename Self>

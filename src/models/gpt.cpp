@@ -1,6 +1,7 @@
 // The tiny GPT: blocks of the chapter's MultiHeadAttention between LayerNorms and an MLP, with
 // explicit backward passes (each submodule differentiates itself; the block and the model only
-// route gradients through the residual connections), and the KV-cache inference path.
+// route gradients through the residual connections), and the KV-cache inference path, which
+// hands each block's attention to MultiHeadAttention::forward_cached.
 #include "attn/gpt.hpp"
 
 #include <fmt/format.h>
@@ -10,45 +11,8 @@
 
 namespace attn::gpt {
 
-namespace {
-
 using nn::append_prefixed;
 using nn::NamedTensors;
-
-// (B, T, C) -> (B, H, T, hd): a view.
-TensorView split_heads(const TensorView& t, int64_t H) {
-  const int64_t B = t.size(0), T = t.size(1), hd = t.size(2) / H;
-  return t.view({B, T, H, hd}).transpose(1, 2);
-}
-
-// (B, H, T, hd) -> (B, T, H * hd): a contiguous copy.
-Tensor merge_heads(const TensorView& t) {
-  const int64_t B = t.size(0), H = t.size(1), T = t.size(2), hd = t.size(3);
-  Tensor merged = t.transpose(1, 2).contiguous();
-  return Tensor(Shape{B, T, H * hd}, std::span<const float>(merged.data(), merged.numel()));
-}
-
-// dst[...] = src[...] for two 4-D views of one shape (the cache rows of new positions).
-void copy_4d(const TensorView& dst, const TensorView& src) {
-  for (int64_t a = 0; a < src.size(0); ++a)
-    for (int64_t b = 0; b < src.size(1); ++b)
-      for (int64_t c = 0; c < src.size(2); ++c) {
-        const float* s = src.data() + a * src.stride(0) + b * src.stride(1) + c * src.stride(2);
-        float* d = dst.data() + a * dst.stride(0) + b * dst.stride(1) + c * dst.stride(2);
-        for (int64_t e = 0; e < src.size(3); ++e) d[e * dst.stride(3)] = s[e * src.stride(3)];
-      }
-}
-
-// The uniform-average ablation: with scale 0 every score is 0, so causal softmax weights are
-// 1 / (i + 1) over positions 0..i whatever the queries and keys.
-SdpaOptions attention_options(AttentionKind kind) {
-  SdpaOptions o;
-  o.is_causal = true;
-  if (kind == AttentionKind::kUniform) o.scale = 0.0;
-  return o;
-}
-
-}  // namespace
 
 void check_ids(std::span<const int64_t> ids, int64_t vocab_size, const char* what) {
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -91,10 +55,7 @@ KVCache::KVCache(const GPTConfig& config, int64_t batch_) : batch(batch_), capac
   config.validate();
   if (batch <= 0) throw ValueError(fmt::format("KVCache: batch must be positive, got {}", batch));
   const int64_t hd = config.d_model / config.n_heads;
-  for (int64_t l = 0; l < config.n_layers; ++l) {
-    keys.push_back(Tensor::zeros({batch, config.n_heads, capacity, hd}));
-    values.push_back(Tensor::zeros({batch, config.n_heads, capacity, hd}));
-  }
+  for (int64_t l = 0; l < config.n_layers; ++l) layers.emplace_back(batch, config.n_heads, capacity, hd);
 }
 
 // ---- TransformerBlock -------------------------------------------------------------------------------
@@ -102,85 +63,34 @@ KVCache::KVCache(const GPTConfig& config, int64_t batch_) : batch(batch_), capac
 TransformerBlock::TransformerBlock(const GPTConfig& c, Generator& gen)
     : attention(c.attention), norm1(c.d_model),
       att(c.d_model, c.d_model, c.context_length, c.dropout, c.n_heads, false, gen),
-      norm2(c.d_model), ff(c.d_model, c.mlp_ratio * c.d_model, gen) {}
-
-Tensor TransformerBlock::attend(const TensorView& h) {
-  // h (B, T, C) -> (B, T, C)
-  uniform_saved_.reset();
-  if (attention == AttentionKind::kSoftmax) return att.forward(h);
-  const int64_t B = h.size(0), T = h.size(1);
-  Tensor v = att.W_value.forward(h);
-  SdpaOptions o = attention_options(attention);
-  o.need_lse = true;
-  const TensorView vh = split_heads(v, att.num_heads);
-  SdpaResult r = scaled_dot_product_attention(vh, vh, vh, o);  // q, k unused at scale 0
-  Tensor out = att.out_proj.forward(merge_heads(r.output).view({B, T, att.d_out}));
-  if (is_grad_enabled()) uniform_saved_ = UniformSaved{std::move(v), std::move(r), o};
-  return out;
-}
-
-Tensor TransformerBlock::attend_backward(const TensorView& grad_output) {
-  // grad_output (B, T, C) -> dL/dh (B, T, C)
-  if (attention == AttentionKind::kSoftmax) return att.backward(grad_output);
-  if (!uniform_saved_) nn::detail::throw_no_saved_forward("TransformerBlock(uniform attention)");
-  const UniformSaved s = std::move(*uniform_saved_);
-  uniform_saved_.reset();
-  const int64_t B = s.values.size(0), T = s.values.size(1);
-  const Tensor d_merged = att.out_proj.backward(grad_output);
-  const Tensor d_ctx = split_heads(d_merged, att.num_heads).contiguous();
-  const TensorView vh = split_heads(s.values, att.num_heads);
-  // At scale 0, dQ = dK = 0: only the values get a gradient.
-  const SdpaGrads g = scaled_dot_product_attention_backward(d_ctx, vh, vh, vh, s.result, s.options);
-  return att.W_value.backward(merge_heads(g.grad_value).view({B, T, att.d_out}));
+      norm2(c.d_model), ff(c.d_model, c.mlp_ratio * c.d_model, gen) {
+  // The uniform-average ablation: with scale 0 every score is 0, so the causal softmax weights
+  // are 1 / (i + 1) over positions 0..i whatever the queries and keys (which then get no
+  // gradient).
+  if (attention == AttentionKind::kUniform) att.scale = 0.0;
 }
 
 Tensor TransformerBlock::forward(const TensorView& x) {
   // x (B, T, C) -> (B, T, C): x1 = x + att(norm1(x)); out = x1 + ff(norm2(x1))
-  const Tensor x1 = add(x, attend(norm1.forward(x)));
+  const Tensor x1 = add(x, att.forward(norm1.forward(x)));
   return add(x1, ff.forward(norm2.forward(x1)));
 }
 
 Tensor TransformerBlock::forward(const TensorView& x) const {
-  Tensor a;
-  if (attention == AttentionKind::kSoftmax) {
-    a = att.forward(norm1.forward(x));
-  } else {
-    const int64_t B = x.size(0), T = x.size(1);
-    const Tensor v = att.W_value.forward(norm1.forward(x));
-    const TensorView vh = split_heads(v, att.num_heads);
-    const SdpaResult r = scaled_dot_product_attention(vh, vh, vh, attention_options(attention));
-    a = att.out_proj.forward(merge_heads(r.output).view({B, T, att.d_out}));
-  }
-  const Tensor x1 = add(x, a);
+  const Tensor x1 = add(x, att.forward(norm1.forward(x)));
   return add(x1, ff.forward(norm2.forward(x1)));
 }
 
 Tensor TransformerBlock::backward(const TensorView& grad_output) {
   // grad_output (B, T, C) -> dL/dx (B, T, C); each residual passes its gradient straight through.
   const Tensor dx1 = add(grad_output, norm2.backward(ff.backward(grad_output)));
-  return add(dx1, norm1.backward(attend_backward(dx1)));
+  return add(dx1, norm1.backward(att.backward(dx1)));
 }
 
-Tensor TransformerBlock::forward_cached(const TensorView& x, KVCache& cache, int64_t layer,
+Tensor TransformerBlock::forward_cached(const TensorView& x, nn::KVCacheLayer& cache,
                                         Tensor* weights) const {
   // x (B, L, C) at positions [cache.length, cache.length + L) -> (B, L, C)
-  const int64_t B = x.size(0), L = x.size(1), start = cache.length, S = start + L;
-  const int64_t H = att.num_heads;
-  const Tensor h = norm1.forward(x);
-  const Tensor q = att.W_query.forward(h), k = att.W_key.forward(h), v = att.W_value.forward(h);
-  const Tensor& kc = cache.keys[static_cast<size_t>(layer)];
-  const Tensor& vc = cache.values[static_cast<size_t>(layer)];
-  copy_4d(kc.slice(2, start, S), split_heads(k, H));
-  copy_4d(vc.slice(2, start, S), split_heads(v, H));
-  // The L new queries against all S cached keys: query i is position start + i, so it sees keys
-  // j <= i + (S - L), the bottom-right alignment.
-  SdpaOptions o = attention_options(attention);
-  o.causal_alignment = CausalAlignment::kBottomRight;
-  o.need_weights = weights != nullptr;
-  SdpaResult r = scaled_dot_product_attention(split_heads(q, H), kc.slice(2, 0, S),
-                                              vc.slice(2, 0, S), o);
-  if (weights != nullptr) *weights = std::move(r.attn_weights);
-  const Tensor x1 = add(x, att.out_proj.forward(merge_heads(r.output).view({B, L, att.d_out})));
+  const Tensor x1 = add(x, att.forward_cached(norm1.forward(x), cache, weights));
   return add(x1, ff.forward(norm2.forward(x1)));
 }
 
@@ -314,17 +224,20 @@ Tensor GPTModel::forward_cached(std::span<const int64_t> ids, int64_t B, int64_t
                                 std::vector<Tensor>* attn_weights) const {
   // ids (B, L) -> logits (B, L, V) of the new positions; cache.length += L
   if (cache.batch != B || cache.capacity != config.context_length ||
-      cache.keys.size() != blocks.size()) {
+      cache.layers.size() != blocks.size()) {
     throw ShapeError(fmt::format("GPTModel.forward_cached: the cache is for batch {}, context {}, {} "
                                  "layers; the call has batch {}, the model context {}, {} layers",
-                                 cache.batch, cache.capacity, cache.keys.size(), B,
+                                 cache.batch, cache.capacity, cache.layers.size(), B,
                                  config.context_length, blocks.size()));
   }
   check_forward_args(config, ids, B, L, cache.length);
   Tensor x = embed(ids, B, L, cache.length);
   if (attn_weights != nullptr) attn_weights->assign(blocks.size(), Tensor());
   for (size_t l = 0; l < blocks.size(); ++l) {
-    x = blocks[l].forward_cached(x, cache, static_cast<int64_t>(l),
+    // cache.length is the model's position: a layer left ahead by a call that failed in a later
+    // layer, or rewound with cache.length, decodes from there.
+    cache.layers[l].length = cache.length;
+    x = blocks[l].forward_cached(x, cache.layers[l],
                                  attn_weights != nullptr ? &(*attn_weights)[l] : nullptr);
   }
   cache.length += L;

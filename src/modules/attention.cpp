@@ -4,9 +4,13 @@
 // Each forward is written once, as forward_impl(self, x) for a const or non-const self: the
 // const instantiation only computes; the non-const one runs its submodules' recording forwards
 // and, with gradients enabled, saves the attention context for backward
-// (attention_backward.cpp). Both compute the same output bits.
+// (attention_backward.cpp). Both compute the same output bits. MultiHeadAttention's cached
+// forward (incremental decoding) goes through the same scaled_dot_product_attention call, over
+// the keys and values its KVCacheLayer holds.
 #include <fmt/format.h>
+#include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "attn/error.hpp"
 #include "attn/modules.hpp"
@@ -40,11 +44,13 @@ Tensor causal_mask_buffer(int64_t context_length) {
   return triu(Tensor::ones({context_length, context_length}), 1);
 }
 
-SdpaOptions causal_options(const Dropout& dropout, bool training) {
+SdpaOptions causal_options(const Dropout& dropout, bool training,
+                           std::optional<double> scale = std::nullopt) {
   SdpaOptions o;
   o.is_causal = true;
   o.dropout_p = training ? dropout.p : 0.0f;
   o.generator = dropout.generator;
+  o.scale = scale;
   return o;
 }
 
@@ -256,6 +262,17 @@ void MultiHeadAttentionWrapper::train(bool mode) {
   for (CausalAttention& head : heads) head.train(mode);
 }
 
+// ---- KVCacheLayer ---------------------------------------------------------------------------------
+
+KVCacheLayer::KVCacheLayer(int64_t batch, int64_t num_heads, int64_t capacity, int64_t head_dim) {
+  require_positive(batch, "KVCacheLayer", "batch");
+  require_positive(num_heads, "KVCacheLayer", "num_heads");
+  require_positive(capacity, "KVCacheLayer", "capacity");
+  require_positive(head_dim, "KVCacheLayer", "head_dim");
+  keys = Tensor::zeros({batch, num_heads, capacity, head_dim});
+  values = Tensor::zeros({batch, num_heads, capacity, head_dim});
+}
+
 // ---- MultiHeadAttention -----------------------------------------------------------------------
 
 namespace {
@@ -297,7 +314,7 @@ Tensor MultiHeadAttention::forward_impl(Self& self, const TensorView& x) {
   };
   const Tensor context = attend(save, TensorView(), queries, keys, values, split(queries),
                                 split(keys), split(values),
-                                causal_options(self.dropout, self.training_));
+                                causal_options(self.dropout, self.training_, self.scale));
   // (b, H, T, hd) -> (b, T, H, hd) -> (b, T, d_out)
   const Tensor merged = context.transpose(1, 2).contiguous();
   return self.out_proj.forward(merged.view({b, T, self.d_out}));
@@ -305,6 +322,84 @@ Tensor MultiHeadAttention::forward_impl(Self& self, const TensorView& x) {
 
 Tensor MultiHeadAttention::forward(const TensorView& x) const { return forward_impl(*this, x); }
 Tensor MultiHeadAttention::forward(const TensorView& x) { return forward_impl(*this, x); }
+
+namespace {
+
+// dst = src for two 4-D float32 views of one shape: the new positions' rows of the cache.
+void copy_4d(const TensorView& dst, const TensorView& src) {
+  for (int64_t a = 0; a < src.size(0); ++a)
+    for (int64_t b = 0; b < src.size(1); ++b)
+      for (int64_t c = 0; c < src.size(2); ++c) {
+        const float* s = src.data() + a * src.stride(0) + b * src.stride(1) + c * src.stride(2);
+        float* d = dst.data() + a * dst.stride(0) + b * dst.stride(1) + c * dst.stride(2);
+        for (int64_t e = 0; e < src.size(3); ++e) d[e * dst.stride(3)] = s[e * src.stride(3)];
+      }
+}
+
+// Everything forward_cached could trip over, checked before the cache is written, so that a
+// refused call leaves it as it was.
+void check_cache(const KVCacheLayer& cache, int64_t batch, int64_t num_heads, int64_t head_dim,
+                 int64_t new_positions) {
+  const char* who = "MultiHeadAttention.forward_cached";
+  const std::pair<const char*, const Tensor*> tensors[] = {{"keys", &cache.keys},
+                                                           {"values", &cache.values}};
+  for (const auto& [name, t] : tensors) {
+    const bool ok = t->defined() && t->dim() == 4 && t->dtype() == DType::kFloat32 &&
+                    t->is_contiguous() && t->size(0) == batch && t->size(1) == num_heads &&
+                    t->size(3) == head_dim && t->shape() == cache.keys.shape();
+    if (!ok) {
+      throw ShapeError(fmt::format(
+          "{}: cache.{} must be a contiguous float32 tensor (batch, num_heads, capacity, "
+          "head_dim) = ({}, {}, capacity, {}) shaped like cache.keys, got {} {}",
+          who, name, batch, num_heads, head_dim, t->defined() ? t->shape().str() : "undefined",
+          t->defined() ? dtype_name(t->dtype()) : ""));
+    }
+  }
+  const int64_t capacity = cache.capacity();
+  if (cache.length < 0 || cache.length > capacity) {
+    throw ShapeError(fmt::format("{}: cache.length must be in [0, {}] (the cache's capacity), got {}",
+                                 who, capacity, cache.length));
+  }
+  if (new_positions > capacity - cache.length) {
+    throw ShapeError(fmt::format("{}: {} new positions at cache.length = {} exceed the cache's "
+                                 "capacity = {} (at most {} more fit)",
+                                 who, new_positions, cache.length, capacity,
+                                 capacity - cache.length));
+  }
+}
+
+}  // namespace
+
+Tensor MultiHeadAttention::forward_cached(const TensorView& x, KVCacheLayer& cache,
+                                          Tensor* attn_weights) const {
+  // x (b, L, d_in) at positions [cache.length, cache.length + L) -> (b, L, d_out)
+  check_input(x, d_in, "MultiHeadAttention.forward_cached", true);
+  const int64_t b = x.size(0), L = x.size(1), start = cache.length;
+  check_cache(cache, b, num_heads, head_dim, L);
+  const int64_t S = start + L;
+  const Tensor queries = W_query.forward(x), keys = W_key.forward(x), values = W_value.forward(x);
+  auto split = [&](const Tensor& t) { return t.view({b, L, num_heads, head_dim}).transpose(1, 2); };
+  copy_4d(cache.keys.slice(2, start, S), split(keys));
+  copy_4d(cache.values.slice(2, start, S), split(values));
+  // The L new queries against all S cached keys: query i is position start + i, so it sees
+  // keys j <= i + (S - L), the bottom-right alignment. No dropout: this path is inference only.
+  SdpaOptions o;
+  o.is_causal = true;
+  o.causal_alignment = CausalAlignment::kBottomRight;
+  o.scale = scale;
+  o.need_weights = attn_weights != nullptr;
+  SdpaResult r = scaled_dot_product_attention(split(queries), cache.keys.slice(2, 0, S),
+                                              cache.values.slice(2, 0, S), o);
+  cache.length = S;
+  if (attn_weights != nullptr) *attn_weights = std::move(r.attn_weights);
+  // (b, H, L, hd) -> (b, L, H, hd) -> (b, L, d_out)
+  const Tensor merged = r.output.transpose(1, 2).contiguous();
+  return out_proj.forward(merged.view({b, L, d_out}));
+}
+
+KVCacheLayer MultiHeadAttention::make_cache(int64_t batch, std::optional<int64_t> capacity) const {
+  return KVCacheLayer(batch, num_heads, capacity.value_or(context_length), head_dim);
+}
 
 NamedTensors MultiHeadAttention::named_parameters() {
   NamedTensors p = qkv_parameters(W_query, W_key, W_value);
