@@ -227,3 +227,63 @@ TEST(LowPrecisionMasks, BoolAndFloatMasksOfAnyDtypeGiveTheSameResult) {
 
 }  // namespace
 }  // namespace attn
+
+namespace attn {
+namespace {
+
+// docs/NUMERICS.md in 16 bits, on every kernel taking the dtype: a NaN or Inf in a key or value
+// that every query masks out never reaches the output; a fully masked row is 0 with LSE -inf;
+// a NaN that takes part propagates to its row only.
+TEST(LowPrecisionNumerics, NaNPolicyHoldsInSixteenBits) {
+  for (DType dtype : kLowDtypes) {
+    manual_seed(21);
+    Tensor q = randn({1, 2, 6, 8}), k = randn({1, 2, 7, 8}), v = randn({1, 2, 7, 8});
+    // Key/value 6 hold NaN and Inf; the mask hides key 6 from every query.
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t e = 0; e < 8; ++e) {
+        k.at({0, h, 6, e}) = std::nanf("");
+        v.at({0, h, 6, e}) = e % 2 ? INFINITY : std::nanf("");
+      }
+    }
+    Tensor mask = Tensor::ones({6, 7});
+    for (int64_t i = 0; i < 6; ++i) mask.at({i, 6}) = 0.0f;
+    for (int64_t j = 0; j < 7; ++j) mask.at({5, j}) = 0.0f;  // row 5 sees nothing
+    const Tensor ql = q.to(dtype), kl = k.to(dtype), vl = v.to(dtype);
+    for (const std::string& kernel : kernels_for(dtype)) {
+      SdpaOptions o;
+      o.kernel = kernel;
+      o.need_lse = true;
+      o.attn_mask = AttnMask::boolean(mask);
+      const SdpaResult r = scaled_dot_product_attention(ql, kl, vl, o);
+      const std::vector<float> out = r.output.to_vector(), lse = r.lse.to_vector();
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t i = 0; i < 6; ++i) {
+          for (int64_t e = 0; e < 8; ++e) {
+            const float x = out[static_cast<size_t>((h * 6 + i) * 8 + e)];
+            if (i == 5) {
+              EXPECT_EQ(x, 0.0f) << kernel << " fully masked row";
+            } else {
+              EXPECT_TRUE(std::isfinite(x)) << kernel << " " << dtype_name(dtype) << " row " << i << ": a masked NaN/Inf leaked";
+            }
+          }
+          EXPECT_EQ(lse[static_cast<size_t>(h * 6 + i)] == -INFINITY, i == 5) << kernel;
+        }
+      }
+      // A NaN in a query that takes part: only its row is NaN.
+      Tensor qn = q;
+      qn.at({0, 1, 2, 3}) = std::nanf("");
+      SdpaOptions plain;
+      plain.kernel = kernel;
+      const std::vector<float> o2 = scaled_dot_product_attention(qn.to(dtype), kl.slice(2, 0, 6), vl.slice(2, 0, 6), plain).output.to_vector();
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t i = 0; i < 6; ++i) {
+          const bool nan_row = h == 1 && i == 2;
+          EXPECT_EQ(std::isnan(o2[static_cast<size_t>((h * 6 + i) * 8)]), nan_row) << kernel << " h" << h << " i" << i;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attn
