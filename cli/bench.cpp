@@ -261,7 +261,9 @@ std::string format_kernels() {
     for (DType d : k.dtypes) dtypes += fmt::format("{}{}", dtypes.empty() ? "" : ",", dtype_name(d));
     s += fmt::format("{:<22} {:<9} {:<33} {}\n", k.name,
                      k.family == SdpaBackend::kReference ? "reference" : "fused", dtypes,
-                     k.runs_on_this_cpu ? "runs here" : "not here: " + k.reason_if_not);
+                     !k.runs_on_this_cpu        ? "not here: " + k.reason_if_not
+                     : k.auto_declines.empty() ? std::string("runs here")
+                                               : "runs here; " + k.auto_declines);
   }
   return s;
 }

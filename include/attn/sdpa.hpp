@@ -151,6 +151,9 @@ struct SdpaKernelInfo {
   std::vector<DType> dtypes;  // element types it computes in
   bool runs_on_this_cpu;
   std::string reason_if_not;
+  // "" if kAuto may choose it here; else why kAuto prefers another kernel that is faster on this
+  // CPU (measured once per process; e.g. the bf16 kernel where vdpbf16ps is slower than FMA).
+  std::string auto_declines;
 };
 std::vector<SdpaKernelInfo> sdpa_kernels();
 

@@ -11,6 +11,7 @@
 
 #include "attn/error.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/cpu/unit_rates.hpp"
 
 namespace attn::detail {
 namespace {
@@ -164,6 +165,17 @@ std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOp
   return "";
 }
 
+// The per-CPU table (sdpa/cpu/unit_rates.hpp): where vdpbf16ps does fewer multiply-adds per
+// second than the FMA units, the float32 kernel on widened inputs is the faster bf16 path.
+constexpr double kBf16DotMinSpeedup = 0.9;
+
+std::string bf16_auto_declines() {
+  const double s = cpu::unit_rates().bf16_dot_speedup();
+  if (s >= kBf16DotMinSpeedup) return "";
+  return fmt::format("kAuto prefers cpu.flash.avx512 (widened) on this CPU: vdpbf16ps measured at "
+                     "{:.2f}x the float32 FMA rate", s);
+}
+
 SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const SdpaProblem& p) {
   if (!cpu::all_finite_bf16(v)) {  // see bf16_why_not
@@ -180,17 +192,17 @@ const SdpaKernel kKernels[] = {
 #if defined(ATTN_HAVE_X86_KERNELS)
     {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
-     bf16_why_not, bf16_forward, fused_backward<flash_kernel_avx512>},
+     bf16_why_not, bf16_forward, fused_backward<flash_kernel_avx512>, bf16_auto_declines},
     {"cpu.flash.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 300, flash_why_not, fused_forward<flash_kernel_avx512>,
-     fused_backward<flash_kernel_avx512>},
+     fused_backward<flash_kernel_avx512>, nullptr},
     {"cpu.flash.avx2", SdpaBackend::kFused, kAvx2 | kFma, kFusedDtypes, 200, flash_why_not,
-     fused_forward<flash_kernel_avx2>, fused_backward<flash_kernel_avx2>},
+     fused_forward<flash_kernel_avx2>, fused_backward<flash_kernel_avx2>, nullptr},
 #endif
     {"cpu.flash.generic", SdpaBackend::kFused, 0, kFusedDtypes, 100, flash_why_not,
-     fused_forward<flash_kernel_generic>, fused_backward<flash_kernel_generic>},
+     fused_forward<flash_kernel_generic>, fused_backward<flash_kernel_generic>, nullptr},
     {"reference", SdpaBackend::kReference, 0, kReferenceDtypes, 0, reference_why_not,
-     reference_forward, reference_backward},
+     reference_forward, reference_backward, nullptr},
 };
 
 // "" if this CPU has every feature the kernel's build assumes, else which ones it lacks.
@@ -248,6 +260,7 @@ const SdpaKernel& select_sdpa_kernel(const SdpaProblem& problem, const SdpaOptio
 
   for (const SdpaKernel& k : kKernels) {  // highest priority first
     if (options.backend != SdpaBackend::kAuto && options.backend != k.family) continue;
+    if (k.auto_declines != nullptr && !k.auto_declines().empty()) continue;
     if (kernel_why_not(k, problem, options).empty()) return k;
   }
   // The message callers have relied on since kFused existed.
@@ -260,9 +273,10 @@ const SdpaKernel& select_sdpa_kernel(const SdpaProblem& problem, const SdpaOptio
   }
   std::string reasons;
   for (const SdpaKernel& k : kKernels) {
-    const std::string r = (options.backend != SdpaBackend::kAuto && options.backend != k.family)
-                              ? fmt::format("not of backend {}", family_name(options.backend))
-                              : kernel_why_not(k, problem, options);
+    std::string r = (options.backend != SdpaBackend::kAuto && options.backend != k.family)
+                        ? fmt::format("not of backend {}", family_name(options.backend))
+                        : kernel_why_not(k, problem, options);
+    if (r.empty() && k.auto_declines != nullptr) r = k.auto_declines();
     reasons += fmt::format("; {}: {}", k.name, r);
   }
   throw ValueError(fmt::format("{}: no kernel can take this problem (backend {}){}", caller,
@@ -282,6 +296,7 @@ std::vector<SdpaKernelInfo> sdpa_kernels() {
     info.dtypes.assign(k.dtypes.begin(), k.dtypes.end());
     info.reason_if_not = detail::missing_features(k);
     info.runs_on_this_cpu = info.reason_if_not.empty();
+    if (info.runs_on_this_cpu && k.auto_declines != nullptr) info.auto_declines = k.auto_declines();
     out.push_back(std::move(info));
   }
   return out;

@@ -33,6 +33,9 @@ struct SdpaKernel {
   SdpaGrads (*backward)(const TensorView& grad_output, const TensorView& q, const TensorView& k,
                         const TensorView& v, const SdpaResult& forward,
                         const SdpaOptions& options, const SdpaProblem& problem);
+  // "" if kAuto (and a backend family) may choose this kernel on this CPU, else why it prefers
+  // another one that is faster here (the kernel can still be forced by name). May be nullptr.
+  std::string (*auto_declines)();
 };
 
 // Every registered kernel, highest priority first (the order sdpa_kernels() reports).

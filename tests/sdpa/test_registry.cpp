@@ -15,6 +15,7 @@
 
 #include "attn/attn.hpp"
 #include "sdpa/cpu/cpu_features.hpp"
+#include "sdpa/cpu/unit_rates.hpp"
 
 namespace attn {
 namespace {
@@ -300,6 +301,44 @@ TEST(SdpaRegistry, RefusedCallChangesNothing) {
   const SdpaResult b = scaled_dot_product_attention(q, q, q, o);
   EXPECT_EQ(a.output.to_vector(), b.output.to_vector());
   EXPECT_EQ(q.to_vector(), before);
+}
+
+}  // namespace
+}  // namespace attn
+
+namespace attn {
+namespace {
+
+using cpu::CpuFeatures;
+bool has_part(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// The per-CPU choice for bfloat16: kAuto takes the native AVX512-BF16 kernel only where the
+// measured vdpbf16ps rate is at least 0.9x the FMA rate; otherwise the widened AVX-512 float32
+// kernel, and sdpa_kernels() says why. Forcing the native kernel by name works either way.
+TEST(SdpaRegistry, Bf16ChoiceFollowsTheMeasuredUnitRates) {
+  const CpuFeatures& f = cpu::cpu_features();
+  const cpu::UnitRates& rates = cpu::unit_rates();
+  std::printf("unit rates: FMA %.1f GFLOP/s, BF16 dot %.1f GFLOP/s (%.2fx)\n", rates.fma_gflops,
+              rates.bf16_dot_gflops, rates.bf16_dot_speedup());
+  if (!f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kAvx512bw | cpu::kAvx512Bf16 | cpu::kFma)) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16 (" << f.describe() << ")";
+  }
+  EXPECT_GT(rates.fma_gflops, 0.0);
+  EXPECT_GT(rates.bf16_dot_gflops, 0.0);
+  const Tensor q = Tensor::ones({1, 2, 8, 16}, DType::kBFloat16);
+  const bool native = rates.bf16_dot_speedup() >= 0.9;
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, {}), native ? "cpu.flash.avx512_bf16" : "cpu.flash.avx512");
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    if (k.name != "cpu.flash.avx512_bf16") {
+      EXPECT_TRUE(k.auto_declines.empty()) << k.name;
+      continue;
+    }
+    EXPECT_EQ(k.auto_declines.empty(), native) << k.auto_declines;
+    if (!native) EXPECT_TRUE(has_part(k.auto_declines, "FMA rate")) << k.auto_declines;
+  }
+  SdpaOptions forced;
+  forced.kernel = "cpu.flash.avx512_bf16";
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, forced), "cpu.flash.avx512_bf16");
 }
 
 }  // namespace
