@@ -1,19 +1,33 @@
-// The fused CPU backward of scaled_dot_product_attention: per key/value head work items on
-// OpenMP threads, each running flash_bwd_kernel.hpp over the query heads that read it.
+// The fused CPU backward of scaled_dot_product_attention: (key/value head, key range) work
+// items on OpenMP threads, each running flash_bwd_kernel.hpp over the query heads that read the
+// head, then a fixed-order sum of the ranges' partial dQ.
 //
-// A work item is one key/value head: its group's query heads (one without GQA) are visited in
-// order by one thread and sum into that head's dK and dV, and each dQ row is produced by one
-// thread in a fixed order, so gradients are bit-identical for any thread count and run to run.
-// The price: parallelism is the number of key/value heads (B * H_kv); a single long head runs on
-// one thread.
+// Shapes: B*H_kv key/value heads of S keys, each read by `group` query heads of L queries.
+// flash_bwd_split.hpp cuts S into `ranges` key ranges (whole 256-key groups, >= 256 keys each)
+// so that B*H_kv*ranges items keep threads busy when key/value heads are few (GQA, MQA, one long
+// sequence), and leaves one range per head otherwise. An item owns dK, dV rows [j_begin, j_end)
+// of its head outright (disjoint across items: written without atomics, the group's query heads
+// summed in order), and writes a partial dQ, (L, E) per query head, over its keys only.
+//
+// Memory traffic: range 0 writes its partial straight into grad_query; ranges 1.. write
+// (ranges - 1) * B*H_q*L*E floats of scratch, which the reduction reads once and adds into
+// grad_query in range order 1, 2, ... (rows a causal range cannot reach are left out: exact
+// zeros). With one range there is no scratch and no reduction: the bits are those of an unsplit
+// head.
+//
+// Determinism: the split depends on S, H_kv and the key group only, each item runs in a fixed
+// order on one thread, and each dQ element is summed over ranges in a fixed order, so gradients
+// are bit-identical for any thread count and run to run.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numbers>
 #include <vector>
 
 #include <omp.h>
 
 #include "sdpa/registry.hpp"
+#include "sdpa/cpu/flash_bwd_split.hpp"
 #include "sdpa/cpu/flash_inputs.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
 
@@ -35,15 +49,31 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
   fp.guard_v = !all_finite(q) || !all_finite(k) || !all_finite(v) || !all_finite(dout);
 
   const int64_t kv_heads = p.batch / p.group;
+  const FlashBwdKeySplit split = flash_bwd_key_split(p.S, kv_heads);
+  const int64_t ranges = split.ranges, items = kv_heads * ranges;
   const int threads = std::max<int>(1, std::min<int64_t>(
-      options.num_threads > 0 ? options.num_threads : omp_get_max_threads(), kv_heads));
+      options.num_threads > 0 ? options.num_threads : omp_get_max_threads(), items));
   const int64_t ws_floats = kernel.backward_workspace_floats(p.L, p.E, p.Ev);
+
+  // Partial dQ of ranges 1.., each B*H_q heads of (L, E): every element is written by its item
+  // (all L rows), so the buffer needs no zeroing.
+  const int64_t head_dq = p.L * p.E;
+  std::unique_ptr<float[]> partial;
+  if (ranges > 1) partial = std::make_unique_for_overwrite<float[]>(static_cast<size_t>((ranges - 1) * p.batch * head_dq));
+  float* const dq_all = g.grad_query.data();  // contiguous: head b at b * L * E
+  // A causal range starting at key j is seen by queries i >= j - causal_offset only.
+  auto first_row = [&](int64_t r) -> int64_t {
+    return fp.causal ? std::clamp<int64_t>(split.begin(r, p.S) - fp.causal_offset, 0, p.L) : 0;
+  };
 
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> ws(static_cast<size_t>(ws_floats));
+    // Range-major: under causal masking the first ranges are the longest-running, so they start
+    // first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t r = it / kv_heads, kvh = it % kv_heads;
       // Query heads b of this key/value head: batch index kvh / H_kv, heads (kvh % H_kv) * group ...
       const int64_t heads_kv = p.heads_q / p.group;
       const int64_t b_first = (kvh / heads_kv) * p.heads_q + (kvh % heads_kv) * p.group;
@@ -58,11 +88,27 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
         h.do_row = dout.stride(-2);
         h.lse = lse.data() + detail::lead_offset(lse, p.lead, b);
         if (p.mask.defined()) h.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b);
-        h.dq = g.grad_query.data() + detail::lead_offset(g.grad_query, p.lead, b);
+        h.dq = r == 0 ? dq_all + b * head_dq : partial.get() + ((r - 1) * p.batch + b) * head_dq;
         h.dk = g.grad_key.data() + detail::kv_lead_offset(g.grad_key, p, b);
         h.dv = g.grad_value.data() + detail::kv_lead_offset(g.grad_value, p, b);
         h.bh = b;
+        h.j_begin = split.begin(r, p.S);
+        h.j_end = split.begin(r + 1, p.S);
         kernel.backward(fp, h, ws.data());
+      }
+    }
+    if (ranges > 1) {
+      // Each dQ element sums its ranges in order 0, 1, 2, ... whichever thread takes the chunk.
+      constexpr int64_t kRows = 64;
+      const int64_t chunks = (p.L + kRows - 1) / kRows;
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < p.batch * chunks; ++c) {
+        const int64_t b = c / chunks, i0 = c % chunks * kRows, i1 = std::min(p.L, i0 + kRows);
+        float* dst = dq_all + b * head_dq;
+        for (int64_t r = 1; r < ranges; ++r) {
+          const float* src = partial.get() + ((r - 1) * p.batch + b) * head_dq;
+          for (int64_t e = std::max(i0, first_row(r)) * p.E; e < i1 * p.E; ++e) dst[e] += src[e];
+        }
       }
     }
   }

@@ -1,9 +1,10 @@
-// Fused attention backward for one query head (FlashAttention-2's backward on a CPU).
+// Fused attention backward for one query head over one key range (FlashAttention-2's backward
+// on a CPU); the driver (flash_bwd.cpp) picks the ranges (flash_bwd_split.hpp) and sums their dQ.
 //
 // Included after flash_kernel.hpp by the per-ISA files (same W, vf, scores_block, mask_block,
 // exp2v). Given the forward's output O and LSE, and dO:
 //   D_i  = rowsum(dO_i * O_i)                         once per head
-//   for each key block (kBK keys), for each query block (kBQ queries) that sees it:
+//   for each key block (kBK keys) of the range, for each query block (kBQ queries) that sees it:
 //     S^T  = K_blk Q_blk^T           (kBK, kBQ)   scores_block, as the forward
 //     P^T  = exp2(S^T * scale log2 e - lse2)        lse2 = the forward's LSE in base 2
 //     dP^T = V_blk dO_blk^T          (kBK, kBQ)   scores_block again, with dO^T for Q^T
@@ -11,18 +12,24 @@
 //     dK_blk += dS^T Q_blk,    dQ_blk += dS K_blk
 // Five products per (key, query) pair, counted as FlashAttention does (2.5x the forward).
 // Keys are the outer loop (groups of kKeyGroup blocks), so dK and dV of a group stay in a small
-// accumulator and are written once; dQ is accumulated across key groups in a per-head buffer. Nothing L x S is
-// stored: the only O(L) state per head is Q^T and dO^T packed by query block, dQ's accumulator,
-// lse2 and D (plus padded row copies of Q and dO when E or Ev is not a multiple of W).
+// accumulator and are written once; dQ is accumulated across the range's key groups in a
+// per-head buffer and written whole (L rows: the range's partial dQ). Nothing L x S is stored:
+// the only O(L) state per head is Q^T and dO^T packed by query block, dQ's accumulator, lse2
+// and D (plus padded row copies of Q and dO when E or Ev is not a multiple of W), rebuilt for
+// each range.
 //
 // The rank updates (dV, dK, dQ) run in register tiles of kRT rows x CV vectors: per reduction
 // step CV loads of a B row, kRT broadcasts of A and kRT*CV FMAs, like the forward's P @ V.
 //
-// Determinism: one thread runs a whole head in a fixed order, so the sums are the same for any
-// thread count. Numerics as the forward: dS is exactly 0 where P is 0 (masked keys, fully
-// masked rows), and with guard (a non-finite input) a zero A never multiplies a B row, so
-// NaN/Inf at excluded positions never reach a gradient.
+// Determinism: one thread runs a whole (head, key range) in a fixed order, and the ranges depend
+// only on the problem, so the sums are the same for any thread count. A range starts on a key
+// group boundary, so each key row's dK, dV are the same bits however the keys are split.
+// Numerics as the forward: dS is exactly 0 where P is 0 (masked keys, fully masked rows), and
+// with guard (a non-finite input) a zero A never multiplies a B row, so NaN/Inf at excluded
+// positions never reach a gradient.
 #include <cstring>
+
+#include "sdpa/cpu/flash_bwd_split.hpp"
 
 namespace attn::cpu::ATTN_SIMD_NS {
 
@@ -33,6 +40,8 @@ inline int64_t round_up(int64_t x) { return (x + W - 1) / W * W; }
 // that traffic 4x while the group's dK, dV accumulators (4 x 64 rows) stay in L2.
 constexpr int64_t kKeyGroup = 4;
 constexpr int64_t kBwdEChunk = 64;
+// The driver splits keys on these boundaries without seeing this ISA namespace.
+static_assert(kKeyGroup * kBK == kFlashBwdKeyGroup);
 
 inline int64_t backward_workspace_floats(int64_t L, int64_t E, int64_t Ev) {
   const int64_t lp = (L + kBQ - 1) / kBQ * kBQ, ep = round_up(E), evp = round_up(Ev);
@@ -172,8 +181,8 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
 
   const float scale = p.scale;
   constexpr int64_t kGK = kKeyGroup * kBK;
-  for (int64_t g0 = 0; g0 < p.S; g0 += kGK) {
-    const int64_t ng = imin(kGK, p.S - g0);
+  for (int64_t g0 = h.j_begin; g0 < h.j_end; g0 += kGK) {
+    const int64_t ng = imin(kGK, h.j_end - g0);
     // Causal: query i sees key j iff j <= i + offset, so the group is seen from row g0 - offset.
     int64_t i_first = 0;
     if (p.causal) {

@@ -45,10 +45,12 @@ struct FlashBlock {
   int64_t bh;       // flat batch*head index (dropout counter)
 };
 
-// One query head of the backward pass (flash_bwd_kernel.hpp): its inputs, the forward's output
-// and natural-log LSE, dO, and where its gradients go. dq is written (row stride E); dk and dv
-// belong to the key/value head and are accumulated into (+=), so the query heads of a GQA group,
-// visited in order by one thread, sum into them deterministically.
+// One query head of the backward pass over one key range (flash_bwd_kernel.hpp): its inputs,
+// the forward's output and natural-log LSE, dO, and where its gradients go. dq is written (all L
+// rows, row stride E) with the contribution of keys [j_begin, j_end) only: the driver sums the
+// ranges' dq in a fixed order. dk and dv belong to the key/value head and are accumulated into
+// (+=) on rows [j_begin, j_end), so the query heads of a GQA group, visited in order by the one
+// thread that owns the range, sum into them deterministically.
 struct FlashBwdHead {
   const float* q;     // (L, E), row stride p.q_row
   const float* k;     // (S, E), row stride p.k_row
@@ -62,6 +64,7 @@ struct FlashBwdHead {
   float* dk;          // (S, E), row stride E
   float* dv;          // (S, Ev), row stride Ev
   int64_t bh;         // flat batch*head index of the query head (dropout counter)
+  int64_t j_begin, j_end;  // the key range; j_begin a multiple of the kernel's key group
 };
 
 // Philox keep decision for weight (bh, i, j), out of line (flash_fwd.cpp) so that the per-ISA

@@ -4,14 +4,17 @@
 //
 // Rule: for each of dQ, dK, dV the fused error against float64 is at most 2x the reference
 // float32 backward's error plus a floor of 1e-6 relative to the call's largest gradient.
-// The fused backward must also be bit-identical for 1 and 2 threads and from run to run.
+// The fused backward must also be bit-identical for 1 and 2 threads and from run to run, and,
+// where a key/value head is split into key ranges (flash_bwd_split.hpp), for 1, 2, 3 and 8.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include "attn/attn.hpp"
+#include "sdpa/cpu/flash_bwd_split.hpp"
 #include "sdpa/cpu/sdpa_cases.hpp"
 
 namespace attn {
@@ -21,6 +24,7 @@ using test::Case;
 using test::describe;
 using test::Inputs;
 using test::make_inputs;
+using test::MaskKind;
 using test::max_abs_err;
 
 double max_abs(const std::vector<double>& v) {
@@ -55,11 +59,9 @@ std::vector<Case> backward_sweep() {
   return cases;
 }
 
-class FlashBackward : public testing::TestWithParam<Case> {};
-
-TEST_P(FlashBackward, GradientErrorWithinTwiceTheReferenceErrorOnEveryKernel) {
-  const Case c = GetParam();
-  const Problem pr = make_problem(c, 42);
+// The 2x rule for every fused kernel this CPU runs.
+void expect_within_twice_reference_error(const Case& c, uint64_t seed) {
+  const Problem pr = make_problem(c, seed);
   SdpaOptions ref = pr.in.options;
   ref.backend = SdpaBackend::kReference;
   const SdpaGrads r = scaled_dot_product_attention_backward(pr.dout, pr.in.q, pr.in.k, pr.in.v, pr.fwd, ref);
@@ -91,23 +93,89 @@ TEST_P(FlashBackward, GradientErrorWithinTwiceTheReferenceErrorOnEveryKernel) {
   }
 }
 
-TEST_P(FlashBackward, SameBitsForOneAndTwoThreadsAndRunToRun) {
-  const Case c = GetParam();
-  Problem pr = make_problem(c, 7);
+// The first thread count's gradients against every other's, each run twice.
+void expect_same_bits_for_thread_counts(const Case& c, uint64_t seed, std::initializer_list<int> threads) {
+  Problem pr = make_problem(c, seed);
   SdpaOptions o = pr.in.options;
   o.backend = SdpaBackend::kFused;
-  o.num_threads = 1;
-  const SdpaGrads one = scaled_dot_product_attention_backward(pr.dout, pr.in.q, pr.in.k, pr.in.v, pr.fwd, o);
-  o.num_threads = 2;
-  for (int run = 0; run < 2; ++run) {
-    const SdpaGrads two = scaled_dot_product_attention_backward(pr.dout, pr.in.q, pr.in.k, pr.in.v, pr.fwd, o);
-    EXPECT_EQ(one.grad_query.to_vector(), two.grad_query.to_vector()) << describe(c);
-    EXPECT_EQ(one.grad_key.to_vector(), two.grad_key.to_vector()) << describe(c);
-    EXPECT_EQ(one.grad_value.to_vector(), two.grad_value.to_vector()) << describe(c);
+  o.num_threads = *threads.begin();
+  const SdpaGrads first = scaled_dot_product_attention_backward(pr.dout, pr.in.q, pr.in.k, pr.in.v, pr.fwd, o);
+  for (int n : threads) {
+    o.num_threads = n;
+    for (int run = 0; run < 2; ++run) {
+      const SdpaGrads g = scaled_dot_product_attention_backward(pr.dout, pr.in.q, pr.in.k, pr.in.v, pr.fwd, o);
+      EXPECT_EQ(first.grad_query.to_vector(), g.grad_query.to_vector()) << describe(c) << " threads " << n;
+      EXPECT_EQ(first.grad_key.to_vector(), g.grad_key.to_vector()) << describe(c) << " threads " << n;
+      EXPECT_EQ(first.grad_value.to_vector(), g.grad_value.to_vector()) << describe(c) << " threads " << n;
+    }
   }
 }
 
+class FlashBackward : public testing::TestWithParam<Case> {};
+
+TEST_P(FlashBackward, GradientErrorWithinTwiceTheReferenceErrorOnEveryKernel) {
+  expect_within_twice_reference_error(GetParam(), 42);
+}
+
+TEST_P(FlashBackward, SameBitsForOneAndTwoThreadsAndRunToRun) {
+  expect_same_bits_for_thread_counts(GetParam(), 7, {1, 2});
+}
+
 INSTANTIATE_TEST_SUITE_P(Sweep, FlashBackward, testing::ValuesIn(backward_sweep()),
+                         [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+
+// ---- key-range split: one key/value head, a long sequence ------------------------------------------
+
+// One kv head has few work items unless its keys are split; each split shape still obeys the
+// 2x rule and gives the same bits on 1, 2, 3 and 8 threads (the split ignores the thread count).
+std::vector<Case> split_cases() {
+  return {{1, 4, 1, 700, 700, 64, 64, MaskKind::kNone, 0.1f},
+          {1, 4, 1, 700, 700, 64, 64, MaskKind::kCausalTopLeft, 0.1f},
+          {1, 4, 1, 600, 1100, 48, 40, MaskKind::kCausalBottomRight, 0.0f},
+          {1, 2, 1, 520, 900, 64, 64, MaskKind::kBool, 0.2f}};
+}
+
+TEST(FlashBackwardSplitRule, OneLongKeyValueHeadIsSplitIntoSeveralItems) {
+  const cpu::FlashBwdKeySplit s = cpu::flash_bwd_key_split(700, 1);
+  EXPECT_GT(s.ranges, 1);
+  EXPECT_EQ(cpu::flash_bwd_key_split(700, 1, 256).ranges, s.ranges);  // the kernel's key group
+  // Small problems and many kv heads keep one range: no partial dQ, today's bits.
+  EXPECT_EQ(cpu::flash_bwd_key_split(511, 1).ranges, 1);
+  EXPECT_EQ(cpu::flash_bwd_key_split(4096, 8).ranges, 1);
+  EXPECT_EQ(cpu::flash_bwd_key_split(1, 1).ranges, 1);
+  // Few kv heads on long sequences reach >= 8 items, capped by >= 256 keys per range.
+  EXPECT_EQ(cpu::flash_bwd_key_split(4096, 1).ranges, 8);
+  EXPECT_EQ(cpu::flash_bwd_key_split(4096, 3).ranges, 3);
+  EXPECT_EQ(cpu::flash_bwd_key_split(1025, 2).ranges, 4);
+  for (int64_t S : {1, 255, 256, 511, 512, 700, 1025, 1100, 2049, 4096, 10000}) {
+    for (int64_t kv : {1, 2, 3, 5, 8, 16}) {
+      const cpu::FlashBwdKeySplit sp = cpu::flash_bwd_key_split(S, kv);
+      EXPECT_GE(sp.ranges, 1);
+      EXPECT_EQ(sp.begin(0, S), 0);
+      EXPECT_EQ(sp.begin(sp.ranges, S), S) << "S " << S << " kv " << kv;
+      for (int64_t r = 0; r < sp.ranges; ++r) {
+        const int64_t b = sp.begin(r, S), e = sp.begin(r + 1, S);
+        EXPECT_EQ(b % cpu::kFlashBwdKeyGroup, 0);
+        if (sp.ranges > 1) EXPECT_GE(e - b, cpu::kMinRangeKeys) << "S " << S << " kv " << kv << " r " << r;
+        EXPECT_LT(b, e);
+      }
+    }
+  }
+}
+
+class FlashBackwardSplit : public testing::TestWithParam<Case> {};
+
+TEST_P(FlashBackwardSplit, HeadIsSplitAndWithinTwiceTheReferenceError) {
+  const Case c = GetParam();
+  ASSERT_GT(cpu::flash_bwd_key_split(c.S, c.B * c.Hkv).ranges, 1) << describe(c);
+  expect_within_twice_reference_error(c, 21);
+}
+
+TEST_P(FlashBackwardSplit, SameBitsForOneTwoThreeAndEightThreads) {
+  expect_same_bits_for_thread_counts(GetParam(), 22, {1, 2, 3, 8});
+}
+
+INSTANTIATE_TEST_SUITE_P(LongKv, FlashBackwardSplit, testing::ValuesIn(split_cases()),
                          [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
 
 // ---- numerics and layouts --------------------------------------------------------------------------
