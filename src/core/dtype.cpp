@@ -14,6 +14,7 @@
 #endif
 
 #include "attn/error.hpp"
+#include "sdpa/cpu/cpu_features.hpp"
 
 namespace attn {
 
@@ -112,10 +113,9 @@ __attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* s, uint16_
   for (; i < n; ++i) d[i] = float_to_half(s[i]).bits;
 }
 
-bool have_f16c() {
-  static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-  return yes;
-}
+// From the registry's detection (CPUID and the OS's YMM state): clang 14's
+// __builtin_cpu_supports knows no "f16c".
+bool have_f16c() { return cpu::cpu_features().has(cpu::kF16c); }
 #endif
 
 // One of the fast pairs, on a chunk; false if (from, to) is not one of them.

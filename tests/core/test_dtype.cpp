@@ -4,6 +4,7 @@
 // dtype kept, and the DTypeError a float32-only op raises for another dtype.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,7 +26,7 @@ const test::FixtureFile& fx() {
 Tensor fixture_as(const std::string& name, DType dtype) {
   const test::FixtureTensor& t = fx().at(name);
   Tensor f64 = Tensor::empty(t.shape, DType::kFloat64);
-  std::memcpy(f64.raw_data(), t.values.data(), t.values.size() * sizeof(double));
+  std::copy(t.values.begin(), t.values.end(), f64.data_as<double>());  // also for no values
   return f64.to(dtype);
 }
 
