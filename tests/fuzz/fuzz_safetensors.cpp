@@ -1,8 +1,9 @@
 // Fuzz target: the safetensors reader (src/io/safetensors.cpp, src/io/json.cpp).
 //
 // Arbitrary bytes go to attn::parse_safetensors; attn::FormatError is the only allowed rejection.
-// Whatever it accepts must survive a round trip: written back with serialize_safetensors (F32,
-// same names, order and metadata) and parsed again, it gives the same tensors bit for bit.
+// Whatever it accepts must survive a round trip: written back with serialize_safetensors (each
+// tensor in its dtype, same names, order and metadata) and parsed again, it gives the same
+// tensors, dtype and bits.
 // Seeds (tests/fuzz/corpus/fuzz_safetensors/) are small valid files of each dtype, metadata,
 // escapes and empty tensors, plus a few near-misses; written by tests/fuzz/seeds_safetensors.py.
 #include <cstring>
@@ -27,8 +28,9 @@ void parse_bytes(std::string_view bytes) {
     const attn::Tensor& y = b.tensors[i].second;
     ATTN_FUZZ_CHECK(a.tensors[i].first == b.tensors[i].first);
     ATTN_FUZZ_CHECK(x.shape() == y.shape());
-    const auto n = static_cast<size_t>(x.numel());
-    ATTN_FUZZ_CHECK(n == 0 || std::memcmp(x.data(), y.data(), n * sizeof(float)) == 0);
+    ATTN_FUZZ_CHECK(x.dtype() == y.dtype());
+    const auto bytes = static_cast<size_t>(x.numel() * x.element_size());
+    ATTN_FUZZ_CHECK(bytes == 0 || std::memcmp(x.raw_data(), y.raw_data(), bytes) == 0);
   }
 }
 
