@@ -14,6 +14,11 @@
 //   weights with 1/(1-p) scaling, from PyTorch's bernoulli stream (DropoutRng::kTorch: a seed
 //   reproduces PyTorch's math path) or from counter-based Philox (kPhilox, attn/philox.hpp).
 //
+// Dtypes: query, key and value share one floating dtype (float32, bfloat16, float16, float64;
+// else DTypeError). Low precision follows PyTorch: float32 accumulation and softmax, output (and
+// weights) in the input dtype, LSE in float32; float64 is computed in float64 by the reference.
+// attn_mask may be boolean of any dtype or additive of any floating dtype.
+//
 // Numerics policy: a query row whose every key is masked gets weights 0 and output 0 (PyTorch's
 // math path returns NaN there; a NaN would poison the rest of a model, so attn defines it).
 // NaN in an included score propagates.
@@ -49,7 +54,8 @@ struct AttnMask {
 //               tested against it, and the chapter's modules print through it.
 //   kFused:     the fused CPU kernels (src/sdpa/cpu): tile over query and key blocks with an
 //               online softmax, O(L) memory, one build per instruction set ("cpu.flash.avx512",
-//               "cpu.flash.avx2", "cpu.flash.generic"), the best one this CPU runs first.
+//               "cpu.flash.avx2", "cpu.flash.generic", and for bfloat16 "cpu.flash.avx512_bf16"),
+//               the best one this CPU runs first.
 //               Dropout needs DropoutRng::kPhilox there.
 //   kAuto:      the highest-priority kernel that takes the call: the best fused build unless
 //               the call uses something only the reference supports (dropout with
