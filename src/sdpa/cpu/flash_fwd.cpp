@@ -32,26 +32,14 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
   const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
                    v = rows_contiguous(v_in, vs);
 
-  Shape out_shape = p.lead, lse_shape = p.lead;
-  out_shape.push_back(p.L);
-  out_shape.push_back(p.Ev);
-  lse_shape.push_back(p.L);
-  SdpaResult result;
-  result.output = Tensor::empty(out_shape);
-  const bool want_lse = options.need_lse || options.need_weights;
-  if (want_lse) result.lse = Tensor::empty(lse_shape);
+  const bool want_lse = options.need_lse || options.need_weights;  // the weights pass reads it
+  SdpaResult result = make_forward_result(p, DType::kFloat32, want_lse);
 
   FlashParams fp = make_flash_params(p, options, q, k, v);
   fp.guard_v = !all_finite(v);
 
-  // Work items (b, query block), head by head so K and V stay in cache; within a head the
-  // longest causal blocks go first so the short ones even out the threads at the end.
   const int64_t nqb = (p.L + kernel.block_q - 1) / kernel.block_q;
-  std::vector<int64_t> items(static_cast<size_t>(p.batch * nqb));
-  std::iota(items.begin(), items.end(), int64_t{0});
-  if (fp.causal) {
-    for (int64_t b = 0; b < p.batch; ++b) std::reverse(items.begin() + b * nqb, items.begin() + (b + 1) * nqb);
-  }
+  const std::vector<int64_t> items = forward_work_items(p, kernel.block_q);
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   const int64_t ws_floats = kernel.workspace_floats(p.E, p.Ev);
   float* const out = result.output.data();

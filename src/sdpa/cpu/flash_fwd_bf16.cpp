@@ -27,22 +27,12 @@ SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, co
   Tensor qs, ks, vs;
   const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
                    v = rows_contiguous(v_in, vs);
-  Shape out_shape = p.lead, lse_shape = p.lead;
-  out_shape.push_back(p.L);
-  out_shape.push_back(p.Ev);
-  lse_shape.push_back(p.L);
-  SdpaResult result;
-  result.output = Tensor::empty(out_shape, DType::kBFloat16);
-  if (options.need_lse) result.lse = Tensor::empty(lse_shape);
+  SdpaResult result = make_forward_result(p, DType::kBFloat16, options.need_lse);
 
   const FlashParams fp = make_flash_params(p, options, q, k, v);
   constexpr int64_t bq = avx512_bf16::kBlockQ;
   const int64_t nqb = (p.L + bq - 1) / bq;
-  std::vector<int64_t> items(static_cast<size_t>(p.batch * nqb));
-  std::iota(items.begin(), items.end(), int64_t{0});
-  if (fp.causal) {
-    for (int64_t b = 0; b < p.batch; ++b) std::reverse(items.begin() + b * nqb, items.begin() + (b + 1) * nqb);
-  }
+  const std::vector<int64_t> items = forward_work_items(p, bq);
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   const int64_t ws_bytes = avx512_bf16::workspace_bytes(p.E, p.Ev);
   const auto* qd = static_cast<const uint16_t*>(q.raw_data());

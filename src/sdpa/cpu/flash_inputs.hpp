@@ -3,8 +3,10 @@
 // on scale, masking or dropout.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <vector>
 
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
@@ -64,6 +66,32 @@ inline FlashBwdParams make_flash_bwd_params(const detail::SdpaProblem& p,
   static_cast<FlashParams&>(bp) = make_flash_params(p, options, q, k, v);
   bp.scale = static_cast<float>(flash_softmax_scale(p));
   return bp;
+}
+
+// The forward's result: output (lead..., L, Ev) in `dtype`, and the float32 LSE (lead..., L)
+// when `want_lse` (the kernels keep it in base 2 until the driver converts it).
+inline SdpaResult make_forward_result(const detail::SdpaProblem& p, DType dtype, bool want_lse) {
+  Shape out_shape = p.lead, lse_shape = p.lead;
+  out_shape.push_back(p.L);
+  out_shape.push_back(p.Ev);
+  lse_shape.push_back(p.L);
+  SdpaResult result;
+  result.output = Tensor::empty(out_shape, dtype);
+  if (want_lse) result.lse = Tensor::empty(lse_shape);
+  return result;
+}
+
+// The forward's work items b * nqb + query block, head by head so K and V stay in cache; within
+// a causal head the longest blocks (the last ones) go first, so the short ones even out the
+// threads at the end of a dynamic schedule.
+inline std::vector<int64_t> forward_work_items(const detail::SdpaProblem& p, int64_t block_q) {
+  const int64_t nqb = (p.L + block_q - 1) / block_q;
+  std::vector<int64_t> items(static_cast<size_t>(p.batch * nqb));
+  for (size_t i = 0; i < items.size(); ++i) items[i] = static_cast<int64_t>(i);
+  if (p.causal) {
+    for (int64_t b = 0; b < p.batch; ++b) std::reverse(items.begin() + b * nqb, items.begin() + (b + 1) * nqb);
+  }
+  return items;
 }
 
 }  // namespace attn::cpu
