@@ -106,8 +106,9 @@ int run(int argc, char** argv) {
                     "Force one registered kernel by name (`attn kernels` lists them), e.g. "
                     "cpu.flash.avx2");
   bench->add_option("--dtype", bench_config.dtype,
-                    "Element type of q, k, v: f32, bf16, f16 or f64 (16-bit inputs run natively "
-                    "where a kernel computes them, else widened on a float32 kernel)")
+                    "Element type of q, k, v: f32, bf16, f16 or f64 (16-bit inputs run on the "
+                    "kernel `attn kernels` shows kAuto choosing: native bf16 where this CPU's "
+                    "dot unit pays, else widened on a float32 kernel)")
       ->capture_default_str();
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
