@@ -44,7 +44,11 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
           names[i], dtype_name(ts[i]->dtype())));
     }
   }
-  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+  // Float32 queries may read bfloat16/float16 keys and values (a low-precision KV cache); the
+  // registry then looks for a kernel that takes the pair.
+  const bool mixed_kv = q.dtype() == DType::kFloat32 && k.dtype() == v.dtype() &&
+                        (k.dtype() == DType::kBFloat16 || k.dtype() == DType::kFloat16);
+  if (!mixed_kv && (k.dtype() != q.dtype() || v.dtype() != q.dtype())) {
     throw DTypeError(fmt::format(
         "scaled_dot_product_attention: query, key and value must have the same dtype, got query "
         "{}, key {}, value {}", dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype())));
@@ -107,6 +111,7 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
   }
   p.dropout_p = o.dropout_p;
   p.dtype = q.dtype();
+  p.kv_dtype = k.dtype();
   if (o.is_causal && o.attn_mask) {
     throw ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=true, not both");
   }

@@ -28,9 +28,12 @@ struct SdpaProblem {
   std::shared_ptr<const Tensor> mask_storage;
   bool mask_is_bool;
   float dropout_p;
-  // The element type of q, k and v (the kernels' dtype constraint reads it). check_sdpa sets
-  // kFloat32, the only type a Tensor holds today.
+  // The element type of q (and of the output); kernels declare the dtypes they take.
   DType dtype = DType::kFloat32;
+  // The element type of k and v: dtype, except for float32 queries against bfloat16 or float16
+  // keys and values (a decode step reading a low-precision cache), which only kernels with
+  // SdpaKernel::mixed_kv take.
+  DType kv_dtype = DType::kFloat32;
 
   // Grouped-query attention (SdpaOptions::enable_gqa). The head dim is dim -3 of 3-D and 4-D
   // inputs (the last of `lead`); 2-D inputs have one head. Query head h reads key/value head

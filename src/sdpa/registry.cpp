@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "attn/error.hpp"
+#include "sdpa/cpu/decode.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
 #include "sdpa/cpu/unit_rates.hpp"
 
@@ -39,7 +40,7 @@ SdpaResult widening_forward(const TensorView& q, const TensorView& k, const Tens
                             const SdpaOptions& options, const SdpaProblem& p) {
   if (p.dtype == DType::kFloat32) return F32(q, k, v, options, p);
   SdpaProblem p32 = p;
-  p32.dtype = DType::kFloat32;
+  p32.dtype = p32.kv_dtype = DType::kFloat32;
   SdpaResult r = F32(q.to(DType::kFloat32), k.to(DType::kFloat32), v.to(DType::kFloat32), options, p32);
   r.output = r.output.to(p.dtype);
   if (r.attn_weights.defined()) r.attn_weights = r.attn_weights.to(p.dtype);
@@ -57,7 +58,7 @@ SdpaGrads widening_backward(const TensorView& dout, const TensorView& q, const T
                             const SdpaOptions& options, const SdpaProblem& p) {
   if (p.dtype == DType::kFloat32) return F32(dout, q, k, v, forward, options, p);
   SdpaProblem p32 = p;
-  p32.dtype = DType::kFloat32;
+  p32.dtype = p32.kv_dtype = DType::kFloat32;
   const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
   SdpaResult f32;
   if (FwdF32 != nullptr) {
@@ -153,6 +154,40 @@ constexpr ForwardFn fused_forward = widening_forward<fused_forward_f32<Table>>;
 template <const cpu::FlashKernel& (*Table)()>
 constexpr BackwardFn fused_backward = widening_backward<fused_backward_f32<Table>, fused_forward_f32<Table>>;
 
+// The split-KV decode kernel (src/sdpa/cpu/decode.cpp) for a few queries against many keys. It
+// computes inference only: the weights, dropout and long query blocks go to the flash kernels.
+std::string decode_why_not(const SdpaKernel&, const SdpaProblem& p, const SdpaOptions& options) {
+  if (p.L > cpu::kDecodeMaxQueries) {
+    return fmt::format("{} queries per head: the decode kernel takes at most {} (prefill runs on "
+                       "cpu.flash)", p.L, cpu::kDecodeMaxQueries);
+  }
+  if (options.need_weights) return "need_weights is served by the cpu.flash kernels";
+  if (options.dropout_p > 0.0f) return "dropout is served by the cpu.flash kernels (decoding is inference)";
+  return "";
+}
+
+template <const cpu::DecodeKernel& (*Table)()>
+SdpaResult decode_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                          const SdpaOptions& options, const SdpaProblem& problem) {
+  return cpu::decode_forward(Table(), q, k, v, options, problem);
+}
+
+// The backward of a short query block is the flash backward of the same ISA. Float32 queries
+// against 16-bit keys/values are widened; dK and dV come back in the keys' dtype.
+template <const cpu::FlashKernel& (*Table)()>
+SdpaGrads decode_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                          const TensorView& v, const SdpaResult& forward,
+                          const SdpaOptions& options, const SdpaProblem& p) {
+  if (p.kv_dtype == p.dtype) return fused_backward<Table>(dout, q, k, v, forward, options, p);
+  SdpaProblem p32 = p;
+  p32.kv_dtype = DType::kFloat32;
+  const Tensor k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
+  SdpaGrads g = fused_backward<Table>(dout, q, k32, v32, forward, options, p32);
+  g.grad_key = g.grad_key.to(p.kv_dtype);
+  g.grad_value = g.grad_value.to(p.kv_dtype);
+  return g;
+}
+
 #if defined(ATTN_HAVE_X86_KERNELS)
 // The native bf16 forward computes what the float32 kernels compute except in two cases it
 // leaves to them: the attention weights (no second pass of its own yet: refused, so kAuto takes
@@ -190,13 +225,23 @@ using namespace attn::cpu;  // the feature bits
 // Highest priority first. Priorities leave room for builds between the present ones.
 const SdpaKernel kKernels[] = {
 #if defined(ATTN_HAVE_X86_KERNELS)
+    {"cpu.decode.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
+     kFusedDtypes, 500, decode_why_not, decode_forward<decode_kernel_avx512>,
+     decode_backward<flash_kernel_avx512>, nullptr, true},
+    {"cpu.decode.avx2", SdpaBackend::kFused, kAvx2 | kFma | kF16c, kFusedDtypes, 490,
+     decode_why_not, decode_forward<decode_kernel_avx2>, decode_backward<flash_kernel_avx2>,
+     nullptr, true},
+#endif
+    {"cpu.decode.generic", SdpaBackend::kFused, 0, kFusedDtypes, 480, decode_why_not,
+     decode_forward<decode_kernel_generic>, decode_backward<flash_kernel_generic>, nullptr, true},
+#if defined(ATTN_HAVE_X86_KERNELS)
     {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
      bf16_why_not, bf16_forward, fused_backward<flash_kernel_avx512>, bf16_auto_declines},
     {"cpu.flash.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 300, flash_why_not, fused_forward<flash_kernel_avx512>,
      fused_backward<flash_kernel_avx512>, nullptr},
-    {"cpu.flash.avx2", SdpaBackend::kFused, kAvx2 | kFma, kFusedDtypes, 200, flash_why_not,
+    {"cpu.flash.avx2", SdpaBackend::kFused, kAvx2 | kFma | kF16c, kFusedDtypes, 200, flash_why_not,
      fused_forward<flash_kernel_avx2>, fused_backward<flash_kernel_avx2>, nullptr},
 #endif
     {"cpu.flash.generic", SdpaBackend::kFused, 0, kFusedDtypes, 100, flash_why_not,
@@ -233,6 +278,10 @@ std::string kernel_why_not(const SdpaKernel& kernel, const SdpaProblem& problem,
     takes += fmt::format("{}{}", takes.empty() ? "" : ", ", dtype_name(d));
   }
   if (!dtype_ok) return fmt::format("dtype {} not supported (takes {})", dtype_name(problem.dtype), takes);
+  if (problem.kv_dtype != problem.dtype && !kernel.mixed_kv) {
+    return fmt::format("query {} with key/value {}: mixed dtypes are taken by the cpu.decode "
+                       "kernels only", dtype_name(problem.dtype), dtype_name(problem.kv_dtype));
+  }
   return kernel.why_not != nullptr ? kernel.why_not(kernel, problem, options) : "";
 }
 
@@ -279,8 +328,10 @@ const SdpaKernel& select_sdpa_kernel(const SdpaProblem& problem, const SdpaOptio
     if (r.empty() && k.auto_declines != nullptr) r = k.auto_declines();
     reasons += fmt::format("; {}: {}", k.name, r);
   }
-  throw ValueError(fmt::format("{}: no kernel can take this problem (backend {}){}", caller,
-                               family_name(options.backend), reasons));
+  const std::string message = fmt::format("{}: no kernel can take this problem (backend {}){}",
+                                          caller, family_name(options.backend), reasons);
+  if (problem.kv_dtype != problem.dtype) throw DTypeError(message);  // names both dtypes
+  throw ValueError(message);
 }
 
 }  // namespace attn::detail

@@ -36,6 +36,8 @@ struct SdpaKernel {
   // "" if kAuto (and a backend family) may choose this kernel on this CPU, else why it prefers
   // another one that is faster here (the kernel can still be forced by name). May be nullptr.
   std::string (*auto_declines)();
+  // Takes float32 queries against bfloat16/float16 keys and values (SdpaProblem::kv_dtype).
+  bool mixed_kv = false;
 };
 
 // Every registered kernel, highest priority first (the order sdpa_kernels() reports).

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attn/attn.hpp"
+#include "sdpa/cpu/sdpa_cases.hpp"
 #include "sdpa/cpu/cpu_features.hpp"
 #include "sdpa/cpu/unit_rates.hpp"
 
@@ -99,14 +100,15 @@ TEST(SdpaRegistry, ListsEveryKernelWithItsFamilyAndDtypes) {
       EXPECT_TRUE(contains(k.reason_if_not, "needs CPU features")) << k.reason_if_not;
     }
   }
-  std::vector<std::string> want = {"cpu.flash.generic", "reference"};
+  std::vector<std::string> want = {"cpu.decode.generic", "cpu.flash.generic", "reference"};
 #if defined(__x86_64__)
-  want.insert(want.begin(), {"cpu.flash.avx512_bf16", "cpu.flash.avx512", "cpu.flash.avx2"});
+  want = {"cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic", "cpu.flash.avx512_bf16",
+          "cpu.flash.avx512", "cpu.flash.avx2", "cpu.flash.generic", "reference"};
 #endif
   EXPECT_EQ(names, want);
   for (const SdpaKernelInfo& k : ks) {
     EXPECT_EQ(k.family, k.name == "reference" ? SdpaBackend::kReference : SdpaBackend::kFused) << k.name;
-    if (k.name == "reference" || k.name == "cpu.flash.generic") EXPECT_TRUE(k.runs_on_this_cpu) << k.name;
+    if (k.name == "reference" || k.name.ends_with(".generic")) EXPECT_TRUE(k.runs_on_this_cpu) << k.name;
   }
 }
 
@@ -137,6 +139,7 @@ TEST(SdpaRegistry, EveryRunnableKernelMatchesTheReference) {
       {{1, 2, 37, 16}, {1, 2, 53, 16}, false, false, 0.0f},
       {{2, 4, 40, 32}, {2, 2, 40, 32}, true, true, 0.0f},
       {{19, 8}, {23, 8}, false, false, 0.2f},
+      {{2, 4, 5, 16}, {2, 2, 90, 16}, true, true, 0.0f},  // a decode step: 5 new queries
   };
   int ran = 0;
   for (const SdpaKernelInfo& kernel : sdpa_kernels()) {
@@ -161,10 +164,12 @@ TEST(SdpaRegistry, EveryRunnableKernelMatchesTheReference) {
         o.dropout_rng = DropoutRng::kPhilox;
         o.dropout_seed = 7;
       }
+      if (pr.causal && pr.q[2] < pr.kv[2]) o.causal_alignment = CausalAlignment::kBottomRight;
       SdpaOptions ref = o;
       ref.backend = SdpaBackend::kReference;
       SdpaOptions forced = o;
       forced.kernel = kernel.name;
+      if (test::decode_refuses(kernel.name, q, k, v, forced)) continue;
       ASSERT_EQ(sdpa_kernel_name(q, k, v, forced), kernel.name);
       const SdpaResult r = scaled_dot_product_attention(q, k, v, ref);
       const SdpaResult f = scaled_dot_product_attention(q, k, v, forced);
@@ -190,21 +195,30 @@ TEST(SdpaRegistry, EveryRunnableKernelMatchesTheReference) {
 
 TEST(SdpaRegistry, AutoPicksTheBestKernelThisCpuRuns) {
   manual_seed(1);
-  const Tensor q = randn({1, 2, 8, 8});
-  std::string best_fused;
-  for (const SdpaKernelInfo& k : sdpa_kernels()) {  // highest priority first
-    const bool f32 = std::find(k.dtypes.begin(), k.dtypes.end(), DType::kFloat32) != k.dtypes.end();
-    if (k.family == SdpaBackend::kFused && k.runs_on_this_cpu && f32) {
-      best_fused = k.name;
-      break;
+  const Tensor q = randn({1, 2, 40, 8});          // prefill: the flash kernels
+  const Tensor step = randn({1, 2, 16, 8});       // a decode step: the decode kernels
+  auto best = [](const std::string& prefix) {
+    for (const SdpaKernelInfo& k : sdpa_kernels()) {  // highest priority first
+      const bool f32 = std::find(k.dtypes.begin(), k.dtypes.end(), DType::kFloat32) != k.dtypes.end();
+      if (k.name.starts_with(prefix) && k.runs_on_this_cpu && f32) return k.name;
     }
-  }
+    return std::string();
+  };
+  const std::string best_fused = best("cpu.flash."), best_decode = best("cpu.decode.");
   const CpuFeatures& f = cpu::cpu_features();
-  if (f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kFma)) EXPECT_EQ(best_fused, "cpu.flash.avx512");
+  if (f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kFma)) {
+    EXPECT_EQ(best_fused, "cpu.flash.avx512");
+    EXPECT_EQ(best_decode, "cpu.decode.avx512");
+  }
   SdpaOptions o;
   EXPECT_EQ(sdpa_kernel_name(q, q, q, o), best_fused);
+  EXPECT_EQ(sdpa_kernel_name(step, q, q, o), best_decode);
+  o.need_weights = true;  // the decode kernels leave the weights to the flash ones
+  EXPECT_EQ(sdpa_kernel_name(step, q, q, o), best_fused);
+  o.need_weights = false;
   o.backend = SdpaBackend::kFused;
   EXPECT_EQ(sdpa_kernel_name(q, q, q, o), best_fused);
+  EXPECT_EQ(sdpa_kernel_name(step, q, q, o), best_decode);
   o.backend = SdpaBackend::kReference;
   EXPECT_EQ(sdpa_kernel_name(q, q, q, o), "reference");
   // PyTorch's dropout stream: only the reference reproduces it, so kAuto falls back to it.
@@ -325,7 +339,7 @@ TEST(SdpaRegistry, Bf16ChoiceFollowsTheMeasuredUnitRates) {
   }
   EXPECT_GT(rates.fma_gflops, 0.0);
   EXPECT_GT(rates.bf16_dot_gflops, 0.0);
-  const Tensor q = Tensor::ones({1, 2, 8, 16}, DType::kBFloat16);
+  const Tensor q = Tensor::ones({1, 2, 32, 16}, DType::kBFloat16);  // past the decode kernels' 16
   const bool native = rates.bf16_dot_speedup() >= 0.9;
   EXPECT_EQ(sdpa_kernel_name(q, q, q, {}), native ? "cpu.flash.avx512_bf16" : "cpu.flash.avx512");
   for (const SdpaKernelInfo& k : sdpa_kernels()) {

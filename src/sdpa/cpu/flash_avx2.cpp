@@ -5,6 +5,7 @@
 #include "sdpa/cpu/flash_kernel.hpp"
 #include "sdpa/cpu/flash_bwd_kernel.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/cpu/decode_kernel.hpp"
 
 namespace attn::cpu {
 
@@ -12,6 +13,11 @@ const FlashKernel& flash_kernel_avx2() {
   static const FlashKernel k{"avx2", avx2::kBQ, avx2::workspace_floats, avx2::forward_block,
                              avx2::weights_block,
                              avx2::backward_workspace_floats, avx2::backward_head};
+  return k;
+}
+
+const DecodeKernel& decode_kernel_avx2() {
+  static const DecodeKernel k{"avx2", avx2::decode_workspace_floats, avx2::decode_split};
   return k;
 }
 

@@ -5,6 +5,7 @@
 #include "sdpa/cpu/flash_kernel.hpp"
 #include "sdpa/cpu/flash_bwd_kernel.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/cpu/decode_kernel.hpp"
 
 namespace attn::cpu {
 
@@ -12,6 +13,11 @@ const FlashKernel& flash_kernel_avx512() {
   static const FlashKernel k{"avx512", avx512::kBQ, avx512::workspace_floats, avx512::forward_block,
                              avx512::weights_block,
                              avx512::backward_workspace_floats, avx512::backward_head};
+  return k;
+}
+
+const DecodeKernel& decode_kernel_avx512() {
+  static const DecodeKernel k{"avx512", avx512::decode_workspace_floats, avx512::decode_split};
   return k;
 }
 

@@ -5,6 +5,7 @@
 #include "sdpa/cpu/flash_kernel.hpp"
 #include "sdpa/cpu/flash_bwd_kernel.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/cpu/decode_kernel.hpp"
 
 namespace attn::cpu {
 
@@ -12,6 +13,11 @@ const FlashKernel& flash_kernel_generic() {
   static const FlashKernel k{"generic", generic::kBQ, generic::workspace_floats, generic::forward_block,
                              generic::weights_block,
                              generic::backward_workspace_floats, generic::backward_head};
+  return k;
+}
+
+const DecodeKernel& decode_kernel_generic() {
+  static const DecodeKernel k{"generic", generic::decode_workspace_floats, generic::decode_split};
   return k;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "sdpa/cpu/decode_params.hpp"
 #include "sdpa/cpu/flash_params.hpp"
 
 namespace attn::cpu {
@@ -21,6 +22,16 @@ struct FlashKernel {
 const FlashKernel& flash_kernel_avx512();
 const FlashKernel& flash_kernel_avx2();
 const FlashKernel& flash_kernel_generic();
+
+// The split-KV decode kernel of the same builds (decode_kernel.hpp; driver in decode.cpp).
+struct DecodeKernel {
+  const char* isa;
+  int64_t (*workspace_floats)(int64_t R, int64_t Ep, int64_t Evp);
+  void (*split)(const DecodeParams&, const DecodeKv&, const DecodeItem&, float* workspace);
+};
+const DecodeKernel& decode_kernel_avx512();
+const DecodeKernel& decode_kernel_avx2();
+const DecodeKernel& decode_kernel_generic();
 
 // Which build runs is the registry's choice (src/sdpa/registry.cpp): each is an entry there,
 // with the CPU features its compile flags assume.

@@ -139,4 +139,21 @@ inline const std::vector<std::string>& runnable_fused_kernels() {
   return names;
 }
 
+// The decode kernels take short inference problems only (at most 16 queries per head, no
+// weights, no dropout): a sweep that forces every kernel skips a decode kernel where it refuses
+// (tests/sdpa/cpu/test_decode.cpp checks that it refuses exactly those). Every other kernel
+// must take every problem of the sweeps.
+inline bool decode_refuses(const std::string& kernel, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const SdpaOptions& options) {
+  if (kernel.rfind("cpu.decode.", 0) != 0) return false;
+  SdpaOptions o = options;
+  o.kernel = kernel;
+  try {
+    (void)sdpa_kernel_name(q, k, v, o);
+    return false;
+  } catch (const ValueError&) {
+    return true;
+  }
+}
+
 }  // namespace attn::test

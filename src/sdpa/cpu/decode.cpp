@@ -1,0 +1,228 @@
+// The split-KV decode driver: cuts a decode call into (sequence, kv head, key range) items, runs
+// them on OpenMP threads with one ISA build of decode_kernel.hpp, and merges each row's ranges
+// through their LSEs (flash-decoding).
+//
+// Why split the keys: decoding has few (sequence, kv head) pairs, often fewer than threads, and
+// each is one long read; splitting S gives every thread a share of the bandwidth. The split
+// depends on the problem only (about kTargetItems items, ranges of at least kMinSplit keys), not
+// on the thread count, and ranges merge in a fixed order: results are bit-identical for any
+// number of threads, as the prefill kernels' are.
+#include "sdpa/cpu/decode.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numbers>
+
+#include <omp.h>
+
+#include "core/convert.hpp"
+#include "sdpa/cpu/flash_inputs.hpp"
+
+namespace attn::cpu {
+namespace {
+
+// A range shorter than this costs more to merge than it gains from another thread.
+constexpr int64_t kMinSplit = 512;
+// Items to aim for: several per thread up to 16 threads, so a dynamic schedule evens them out.
+constexpr int64_t kTargetItems = 64;
+
+struct Item {
+  int64_t n, kvh, j0, j1;
+  int64_t part;  // index of its partial (m, l, acc) block
+};
+
+}  // namespace
+
+KvType kv_type_of(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return KvType::kBFloat16;
+    case DType::kFloat16: return KvType::kFloat16;
+    case DType::kInt8: return KvType::kInt8;
+    default: return KvType::kFloat32;
+  }
+}
+
+void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
+  const DecodeParams& p = c.params;
+  const int64_t group = c.heads_q / c.heads_kv, R = group * c.L;
+  const int threads = std::max(1, c.threads);
+
+  // Ranges per (sequence, kv head).
+  const int64_t pairs = c.N * c.heads_kv;
+  const int64_t per = std::max<int64_t>(1, (kTargetItems + pairs - 1) / pairs);
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(static_cast<size_t>(pairs + 1));
+  for (int64_t n = 0; n < c.N; ++n) {
+    for (int64_t kvh = 0; kvh < c.heads_kv; ++kvh) {
+      first_item[n * c.heads_kv + kvh] = static_cast<int64_t>(items.size());
+      const int64_t S = c.kv[n * c.heads_kv + kvh].S;
+      int64_t len = std::max(kMinSplit, (S + per - 1) / per);
+      len = (len + 63) / 64 * 64;
+      for (int64_t j0 = 0; j0 < S; j0 += len) {
+        items.push_back({n, kvh, j0, std::min(S, j0 + len), static_cast<int64_t>(items.size())});
+      }
+    }
+  }
+  first_item[pairs] = static_cast<int64_t>(items.size());
+
+  const int64_t part_floats = R * (p.Evp + 2);
+  std::vector<float> parts(static_cast<size_t>(items.size() * part_floats));
+  const int64_t q_size = dtype_size(c.q_dtype);
+
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> ws(static_cast<size_t>(kernel.workspace_floats(R, p.Ep, p.Evp)));
+    std::vector<float> qrows(static_cast<size_t>(R * p.Ep), 0.0f);
+    std::vector<int64_t> pos(static_cast<size_t>(R));
+    std::vector<const float*> mask(static_cast<size_t>(R));
+    int64_t packed = -1;  // the (n, kv head) whose queries qrows holds
+#pragma omp for schedule(dynamic, 1)
+    for (size_t t = 0; t < items.size(); ++t) {
+      const Item& it = items[t];
+      if (packed != it.n * c.heads_kv + it.kvh) {
+        packed = it.n * c.heads_kv + it.kvh;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = it.kvh * group + g;
+          for (int64_t i = 0; i < c.L; ++i) {
+            const int64_t r = g * c.L + i;
+            const char* src = static_cast<const char*>(c.q) + (it.n * c.q_n + h * c.q_h + i * c.q_i) * q_size;
+            detail::convert_elements(src, c.q_dtype, qrows.data() + r * p.Ep, DType::kFloat32, p.E);
+            pos[r] = i;
+            mask[r] = c.mask != nullptr ? c.mask + it.n * c.mask_n + h * c.mask_h + i * c.mask_i : nullptr;
+          }
+        }
+      }
+      float* part = parts.data() + it.part * part_floats;
+      const DecodeItem di{qrows.data(), pos.data(), mask.data(), R, it.j0, it.j1,
+                          part, part + R, part + 2 * R};
+      kernel.split(p, c.kv[it.n * c.heads_kv + it.kvh], di, ws.data());
+    }
+  }
+
+  // Merge: row r's ranges s, with m_s, l_s, acc_s, combine as
+  //   M = max m_s,  l = sum l_s 2^(m_s - M),  o = sum acc_s 2^(m_s - M) / l,
+  // skipping a range whose factor is 0 (its weights all underflow: a zero weight never
+  // multiplies a value). A row with no visible key (l = 0) is 0 with LSE -inf.
+  const int64_t o_size = dtype_size(c.o_dtype);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> row(static_cast<size_t>(p.Evp));
+#pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t n = pair / c.heads_kv, kvh = pair % c.heads_kv;
+      const int64_t s0 = first_item[pair], s1 = first_item[pair + 1];
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = kvh * group + r / c.L, i = r % c.L;
+        float M = -std::numeric_limits<float>::infinity();
+        bool nan = false;
+        for (int64_t s = s0; s < s1; ++s) {
+          const float m = parts[s * part_floats + r], l = parts[s * part_floats + R + r];
+          nan = nan || m != m || l != l;
+          if (l > 0.0f) M = std::max(M, m);
+        }
+        std::fill(row.begin(), row.end(), 0.0f);
+        float L = 0.0f;
+        if (nan) {
+          L = std::numeric_limits<float>::quiet_NaN();
+          std::fill(row.begin(), row.end(), L);
+        } else if (M != -std::numeric_limits<float>::infinity()) {
+          for (int64_t s = s0; s < s1; ++s) {
+            const float* part = parts.data() + s * part_floats;
+            const float l = part[R + r];
+            if (!(l > 0.0f)) continue;
+            const float f = std::exp2(part[r] - M);
+            if (f == 0.0f) continue;
+            L += l * f;
+            const float* acc = part + 2 * R + r * p.Evp;
+            for (int64_t e = 0; e < p.Ev; ++e) row[e] += acc[e] * f;
+          }
+          const float inv = 1.0f / L;
+          for (int64_t e = 0; e < p.Ev; ++e) row[e] *= inv;
+        }
+        char* dst = static_cast<char*>(c.o) + (n * c.o_n + h * c.o_h + i * c.o_i) * o_size;
+        detail::convert_elements(row.data(), DType::kFloat32, dst, c.o_dtype, p.Ev);
+        if (c.lse != nullptr) {
+          float lse = -std::numeric_limits<float>::infinity();
+          if (nan) lse = L;
+          else if (L > 0.0f) lse = (M + std::log2(L)) * std::numbers::ln2_v<float>;
+          c.lse[n * c.lse_n + h * c.lse_h + i * c.lse_i] = lse;
+        }
+      }
+    }
+  }
+}
+
+// ---- scaled_dot_product_attention's short-query path ---------------------------------------------
+
+namespace {
+
+// Strides of the (n, h) leading dims of a view whose lead is p.lead: (B, H), (H) or none.
+void lead_strides(const TensorView& t, const detail::SdpaProblem& p, int64_t& sn, int64_t& sh) {
+  const int nlead = p.lead.ndim();
+  sn = nlead == 2 ? t.stride(0) : 0;
+  sh = nlead >= 1 ? t.stride(nlead - 1) : 0;
+}
+
+}  // namespace
+
+SdpaResult decode_forward(const DecodeKernel& kernel, const TensorView& q_in, const TensorView& k_in,
+                          const TensorView& v_in, const SdpaOptions& options,
+                          const detail::SdpaProblem& p) {
+  Tensor qs, ks, vs;
+  const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
+                   v = rows_contiguous(v_in, vs);
+  SdpaResult result = make_forward_result(p, p.dtype, options.need_lse);
+
+  DecodeCall c;
+  c.N = p.lead.ndim() == 2 ? p.lead[0] : 1;
+  c.heads_q = p.heads_q;
+  c.heads_kv = p.heads_kv;
+  c.L = p.L;
+  DecodeParams& dp = c.params;
+  dp.E = p.E, dp.Ev = p.Ev, dp.Ep = decode_padded(p.E), dp.Evp = decode_padded(p.Ev);
+  dp.kv = kv_type_of(p.kv_dtype);
+  dp.scale_log2 = static_cast<float>(flash_softmax_scale(p) * std::numbers::log2e);
+  dp.causal = p.causal;
+
+  c.q = q.raw_data();
+  c.q_dtype = p.dtype;
+  lead_strides(q, p, c.q_n, c.q_h);
+  c.q_i = q.stride(-2);
+  c.o = result.output.raw_data();
+  c.o_dtype = p.dtype;
+  c.o_h = p.L * p.Ev, c.o_n = p.heads_q * c.o_h, c.o_i = p.Ev;
+  if (options.need_lse) {
+    c.lse = result.lse.data();
+    c.lse_i = 1, c.lse_h = p.L, c.lse_n = p.heads_q * p.L;
+  }
+  if (p.mask.defined()) {
+    c.mask = p.mask.data();
+    lead_strides(p.mask, p, c.mask_n, c.mask_h);
+    c.mask_i = p.mask.stride(-2);
+    dp.mask_col = p.mask.stride(-1);
+    dp.mask_is_bool = p.mask_is_bool;
+  }
+
+  int64_t k_n, k_h, v_n, v_h;
+  lead_strides(k, p, k_n, k_h);
+  lead_strides(v, p, v_n, v_h);
+  const int64_t esize = dtype_size(p.kv_dtype);
+  c.kv.resize(static_cast<size_t>(c.N * c.heads_kv));
+  for (int64_t n = 0; n < c.N; ++n) {
+    for (int64_t h = 0; h < c.heads_kv; ++h) {
+      DecodeKv& kv = c.kv[n * c.heads_kv + h];
+      kv.k = static_cast<const char*>(k.raw_data()) + (n * k_n + h * k_h) * esize;
+      kv.v = static_cast<const char*>(v.raw_data()) + (n * v_n + h * v_h) * esize;
+      kv.k_row = k.stride(-2), kv.v_row = v.stride(-2);
+      kv.page_size = std::max<int64_t>(p.S, 1);  // one page: the whole head
+      kv.S = p.S;
+      kv.causal_offset = p.causal_offset;
+    }
+  }
+  c.threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  run_decode(kernel, c);
+  return result;
+}
+
+}  // namespace attn::cpu

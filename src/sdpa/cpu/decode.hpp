@@ -1,0 +1,53 @@
+// The split-KV decode driver (decode.cpp): one description of a decode call that both front
+// ends fill, scaled_dot_product_attention for short queries (dense K/V tensors, one page per
+// head) and attn::paged_attention (pages of an attn::PagedKvCache, read in place).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "attn/dtype.hpp"
+#include "attn/sdpa.hpp"
+#include "sdpa/cpu/decode_params.hpp"
+#include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/problem.hpp"
+
+namespace attn::cpu {
+
+// The most queries per head the decode kernels take: beyond it a query block of the prefill
+// kernels (32 rows) is as fast and the R x S work dominates the reads.
+constexpr int64_t kDecodeMaxQueries = 16;
+
+// A decode call: N sequences x heads_q query heads x L queries. Element (n, h, i, e) of the
+// query is at q + n * q_n + h * q_h + i * q_i + e (in elements of q_dtype; e contiguous), and
+// likewise the output (o_dtype), the LSE (natural log, float32; null if not wanted) and the
+// float32 mask (element (n, h, i, j) at mask + ... + j * params.mask_col; null for none).
+struct DecodeCall {
+  int64_t N = 0, heads_q = 0, heads_kv = 0, L = 0;
+  DecodeParams params;
+  const void* q = nullptr;
+  DType q_dtype = DType::kFloat32;
+  int64_t q_n = 0, q_h = 0, q_i = 0;
+  void* o = nullptr;
+  DType o_dtype = DType::kFloat32;
+  int64_t o_n = 0, o_h = 0, o_i = 0;
+  float* lse = nullptr;
+  int64_t lse_n = 0, lse_h = 0, lse_i = 0;
+  const float* mask = nullptr;
+  int64_t mask_n = 0, mask_h = 0, mask_i = 0;
+  std::vector<DecodeKv> kv;  // N * heads_kv, (n, kv head) row-major
+  int threads = 1;
+};
+
+void run_decode(const DecodeKernel& kernel, const DecodeCall& call);
+
+KvType kv_type_of(DType dtype);  // float32, bfloat16, float16 or int8
+// E or Ev rounded up to the padding the kernels use.
+inline int64_t decode_padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+// scaled_dot_product_attention through the decode kernel (registered in src/sdpa/registry.cpp).
+SdpaResult decode_forward(const DecodeKernel& kernel, const TensorView& q, const TensorView& k,
+                          const TensorView& v, const SdpaOptions& options,
+                          const detail::SdpaProblem& problem);
+
+}  // namespace attn::cpu

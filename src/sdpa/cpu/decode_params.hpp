@@ -1,0 +1,62 @@
+// Parameters of the split-KV decode kernel (flash-decoding), shared by its driver (decode.cpp)
+// and its per-ISA builds (decode_kernel.hpp, compiled inside flash_<isa>.cpp).
+//
+// Decoding attends a few new queries (L <= 16) to a long KV cache: the work is reading K and V
+// once, at the memory bandwidth. A work item is one (sequence, kv head, key range): the R =
+// group * L query rows that read this kv head (GQA groups packed, so K/V are read once per kv
+// head, not once per query head) against keys [j0, j1). It leaves a partial softmax per row
+// (max m, sum l, unnormalised accumulator acc), and the driver merges the ranges through their
+// LSEs. Keys and values are addressed through pages (a contiguous cache is one page), so the
+// same kernel reads attn::PagedKvCache in place.
+#pragma once
+
+#include <cstdint>
+
+namespace attn::cpu {
+
+// The element type of the cached keys and values. Its own enum, not attn::DType: the per-ISA
+// builds include no header with inline code shared with the rest of the library.
+enum class KvType : int { kFloat32, kBFloat16, kFloat16, kInt8 };
+
+// Where one (sequence, kv head)'s keys and values live. Token t is in page
+// pages[t / page_size] (page t / page_size itself when pages is null), row t % page_size:
+//   key row   k + page * k_page + row * k_row   (elements of the KvType)
+//   its scale k_scale[page * scale_page + row]  (kInt8 only: key = k_scale * int8 values)
+// and likewise for v. A dense tensor is one page of page_size = S tokens.
+struct DecodeKv {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t k_page = 0, v_page = 0, k_row = 0, v_row = 0;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t scale_page = 0;
+  const int64_t* pages = nullptr;
+  int64_t page_size = 0;
+  int64_t S = 0;              // tokens held
+  int64_t causal_offset = 0;  // key j is visible to query i iff j <= i + causal_offset (causal)
+};
+
+// One call's constants.
+struct DecodeParams {
+  int64_t E = 0, Ev = 0;
+  int64_t Ep = 0, Evp = 0;  // E and Ev rounded up to a multiple of 16 (every ISA's width divides)
+  KvType kv = KvType::kFloat32;
+  float scale_log2 = 0;     // softmax scale times log2(e): scores are kept in base 2
+  bool causal = false;
+  int64_t mask_col = 0;     // element stride between keys of a mask row
+  bool mask_is_bool = true;
+};
+
+// One work item: R query rows against keys [j0, j1) of one DecodeKv.
+struct DecodeItem {
+  const float* q;            // (R, Ep) float32, zero-padded past E
+  const int64_t* query_pos;  // (R): each row's query index i (the causal limit is i + offset)
+  const float* const* mask;  // (R): each row's mask row (key 0), or nullptr for no mask
+  int64_t R;
+  int64_t j0, j1;
+  float* m;    // (R) out: base-2 running max of the range's visible scores (-inf if none)
+  float* l;    // (R) out: sum of exp2(score - m)
+  float* acc;  // (R, Evp) out: sum of exp2(score - m) * v
+};
+
+}  // namespace attn::cpu
