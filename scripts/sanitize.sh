@@ -158,8 +158,8 @@ stage_tsan() {
 
   export TSAN_OPTIONS="$tsan_base"
   export OMP_TOOL_LIBRARIES="$archer"
-  log "TSan: threaded tests (FlashForward*, FlashBackward two-thread sweep, Sdpa*, the 16-bit kernels' two-thread sweep, Stress.*, NumericsPolicy.*)"
-  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|^Stress\.|^NumericsPolicy\.'
+  log "TSan: threaded tests (FlashForward*, FlashBackward two-thread sweep, Sdpa*, the 16-bit kernels' two-thread sweep, the decode kernels' thread-count sweep, Stress.*, NumericsPolicy.*)"
+  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|Decode\.SameBits|^Stress\.|^NumericsPolicy\.'
   tsan_ran=$ran
   [ "$failed_tests" -ne 0 ] && fail "$failed_tests of $ran tests failed under TSan"
   tsan_soak="skipped"

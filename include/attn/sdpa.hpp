@@ -15,7 +15,9 @@
 //   reproduces PyTorch's math path) or from counter-based Philox (kPhilox, attn/philox.hpp).
 //
 // Dtypes: query, key and value share one floating dtype (float32, bfloat16, float16, float64;
-// else DTypeError). Low precision follows PyTorch: float32 accumulation and softmax, output (and
+// else DTypeError naming all three), with one declared exception: float32 queries may read
+// bfloat16 or float16 keys and values (a decode step over a low-precision KV cache; the output is
+// float32), which the decode kernels take (at most 16 queries per head; beyond, DTypeError). Low precision follows PyTorch: float32 accumulation and softmax, output (and
 // weights) in the input dtype, LSE in float32; float64 is computed in float64 by the reference.
 // attn_mask may be boolean of any dtype or additive of any floating dtype.
 //
@@ -57,6 +59,11 @@ struct AttnMask {
 //               "cpu.flash.avx2", "cpu.flash.generic", and for bfloat16 "cpu.flash.avx512_bf16"),
 //               the best one this CPU runs first.
 //               Dropout needs DropoutRng::kPhilox there.
+//               For a decode step (at most 16 queries per head, no weights, no dropout) the
+//               split-KV decode kernels ("cpu.decode.avx512", "cpu.decode.avx2",
+//               "cpu.decode.generic") come first: they split the keys across threads, read
+//               each kv head once for its whole GQA group, and merge the splits through their
+//               LSEs; results are bit-identical for any thread count, like the others'.
 //   kAuto:      the highest-priority kernel that takes the call: the best fused build unless
 //               the call uses something only the reference supports (dropout with
 //               DropoutRng::kTorch), then the reference.

@@ -94,7 +94,8 @@ inline vf load_as_float(const void* row, int64_t e) {
     using vu16 = uint16_t __attribute__((vector_size(W * sizeof(uint16_t))));
     vu16 h;
     std::memcpy(&h, static_cast<const uint16_t*>(row) + e, sizeof h);
-    const vi bits = __builtin_convertvector(h, vi) << 16;
+    using vu32 = uint32_t __attribute__((vector_size(W * sizeof(uint32_t))));
+    const vu32 bits = __builtin_convertvector(h, vu32) << 16;  // unsigned: no signed overflow
     vf r;
     std::memcpy(&r, &bits, sizeof r);
     return r;
