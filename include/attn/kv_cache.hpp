@@ -105,6 +105,12 @@ class PagedKvCache {
     std::vector<int64_t> pages;
   };
   const Sequence& live_sequence(int64_t seq, const char* who) const;
+  // Pages an append of `tokens` to `s` takes from the free list; ValueError when too few are free.
+  int64_t pages_needed(const Sequence& s, int64_t tokens, const char* who) const;
+  // Writes checked tokens (T, heads_kv, dim) already in the cache's dtype (and their int8 scales).
+  void write_tokens(int64_t seq, int64_t new_pages, const Tensor& key, const Tensor& value,
+                    const Tensor* key_scale, const Tensor* value_scale);
+  Tensor gather(int64_t seq, bool values, const char* who) const;
 
   PagedKvCacheOptions options_;
   Tensor keys_, values_, key_scales_, value_scales_;
