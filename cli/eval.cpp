@@ -81,12 +81,15 @@ int run_eval(const EvalArgs& a) {
   std::cout << fmt::format("model: {}; task: {}; {} held-out batches of {} sequences (seed {}), fed one token "
                            "per step, pages of {}\n\n", model->config.describe(), cfg.task.describe(), a.batches,
                            cfg.batch_size, cfg.seed, a.page_size);
-  std::cout << "| KV cache | max abs logit diff vs f32 KV | mean abs logit diff | perplexity | accuracy |\n";
-  std::cout << "|---|---|---|---|---|\n";
+  std::cout << "| KV cache | max abs logit diff vs f32 KV | mean abs logit diff | perplexity | "
+               "perplexity change vs f32 KV | accuracy |\n";
+  std::cout << "|---|---|---|---|---|---|\n";
+  const double base = rows[0].stats.perplexity();  // the full forward's equals the f32 cache's
   for (const Row& r : rows) {
-    std::cout << fmt::format("| {} | {:.3g} | {:.3g} | {:.6f} | {:.2f}% ({} of {}) |\n", r.name, r.max_diff,
-                             r.mean_diff / static_cast<double>(a.batches), r.stats.perplexity(),
-                             100.0 * r.stats.accuracy(), r.stats.correct, r.stats.count);
+    std::cout << fmt::format("| {} | {:.3g} | {:.3g} | {:.6f} | {:+.2e} | {:.2f}% ({} of {}) |\n", r.name,
+                             r.max_diff, r.mean_diff / static_cast<double>(a.batches), r.stats.perplexity(),
+                             r.stats.perplexity() - base, 100.0 * r.stats.accuracy(), r.stats.correct,
+                             r.stats.count);
   }
   return 0;
 }

@@ -3,42 +3,23 @@
 // long prompts prefill in chunks, refused calls leave every layer unchanged, and 16-bit / int8
 // KV stay close to float32 KV.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <vector>
 
 #include "attn/error.hpp"
 #include "attn/gpt.hpp"
+#include "models/gpt_fixtures.hpp"
 
 namespace attn {
 namespace {
 
-// Tiny models: one OpenMP thread (see test_gpt.cpp).
-class PagedGPT : public ::testing::Test {
- protected:
-  void SetUp() override {
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(1);
-  }
-  void TearDown() override { omp_set_num_threads(saved_); }
-
- private:
-  int saved_ = 1;
-};
+class PagedGPT : public test::OneThread {};
 
 using gpt::GPTConfig;
 using gpt::GPTModel;
 
-GPTConfig decode_config() {
-  GPTConfig c;
-  c.vocab_size = 20;
-  c.context_length = 80;
-  c.d_model = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  return c;
-}
+using test::decode_config;
 
 // A model whose logits differ visibly from step to step (sharper embeddings than the init).
 GPTModel& sharp_model() {
