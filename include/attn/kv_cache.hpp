@@ -17,6 +17,8 @@
 //
 // paged_attention reads the pages in place (no gather copy) through the split-KV decode kernel
 // (src/sdpa/cpu/decode*.cpp), the one scaled_dot_product_attention uses for short queries.
+// (Until that kernel lands, src/sdpa/paged_attention.cpp gathers each sequence's pages and calls
+// scaled_dot_product_attention; the argument checks, in check_paged_attention, stay as they are.)
 //
 // Errors are typed and leave the cache unchanged: every argument of a call is checked before
 // anything is written.

@@ -2,7 +2,6 @@
 // input (corrupt, truncated, foreign or differently shaped files; prompts outside the vocabulary
 // or the context) throws a clear error instead of crashing.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cstdio>
 #include <filesystem>

@@ -2,7 +2,6 @@
 // KV cache against full recomputation, loss and perplexity against float64, and a short training
 // run whose loss falls.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <map>
