@@ -60,7 +60,8 @@ int run(int argc, char** argv) {
       "Run `attn bench` to time the attention kernels against the machine's FMA peak\n"
       "(`attn kernels` lists them and whether this CPU runs each).\n"
       "Run `attn train` to train a tiny GPT on a task that needs attention, then `attn generate`\n"
-      "and `attn heatmap` to decode with a KV cache and to see where its heads look."};
+      "and `attn heatmap` to decode with a paged KV cache and to see where its heads look\n"
+      "(`attn eval` measures what a bf16 or int8 KV cache changes in its predictions)."};
   app.require_subcommand(1);
   app.footer(
       "Each subcommand has its own --help. Tensors are printed in PyTorch's format; seeds give\n"
@@ -123,6 +124,7 @@ int run(int argc, char** argv) {
   const std::function<int()> run_train = attn::cli::add_train_command(app);
   const std::function<int()> run_generate = attn::cli::add_generate_command(app);
   const std::function<int()> run_heatmap = attn::cli::add_heatmap_command(app);
+  const std::function<int()> run_eval = attn::cli::add_eval_command(app);
 
   try {
     app.parse(argc, argv);
@@ -135,6 +137,7 @@ int run(int argc, char** argv) {
     if (app.got_subcommand("train")) return run_train();
     if (app.got_subcommand("generate")) return run_generate();
     if (app.got_subcommand("heatmap")) return run_heatmap();
+    if (app.got_subcommand("eval")) return run_eval();
     if (kernels->parsed()) {
       std::cout << attn::bench::format_kernels();
       return 0;

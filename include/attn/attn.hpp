@@ -5,6 +5,7 @@
 #include "attn/functional.hpp"
 #include "attn/gpt.hpp"
 #include "attn/gpt_train.hpp"
+#include "attn/kv_cache.hpp"
 #include "attn/modules.hpp"
 #include "attn/multihead.hpp"
 #include "attn/optim.hpp"

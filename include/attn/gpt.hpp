@@ -1,5 +1,6 @@
-// A tiny decoder-only transformer (GPT) built from attn's modules, a KV cache for decoding one
-// token at a time, and the associative-recall task it is trained on (`attn train`).
+// A tiny decoder-only transformer (GPT) built from attn's modules, KV caches (dense, and paged
+// for batches of sequences of different lengths) for decoding one token at a time, and the
+// associative-recall task it is trained on (`attn train`).
 //
 // Model (the book's GPTModel, chapter 4, with PyTorch-style state_dict names):
 //   tok_emb (V, C) + pos_emb (ctx, C)
@@ -76,6 +77,25 @@ struct KVCache {
   std::vector<nn::KVCacheLayer> layers;
 };
 
+// The model's paged KV cache: one attn::PagedKvCache per block, every layer's pool of
+// num_pages pages of page_size tokens in `dtype` (float32, bfloat16, float16 or int8), all
+// driven by the same calls, so a sequence has the same id in every layer. Sequences of any
+// lengths share the pools; a freed sequence's pages go to the next one.
+struct PagedKVCache {
+  // ValueError (from PagedKvCache) naming the field for a bad size or dtype.
+  PagedKVCache(const GPTConfig& config, int64_t num_pages, int64_t page_size = 16,
+               DType dtype = DType::kFloat32);
+  // Pages for `sequences` sequences of up to `tokens` tokens each.
+  static int64_t pages_for(int64_t sequences, int64_t tokens, int64_t page_size);
+
+  int64_t add_sequence();               // the same new id in every layer
+  void free_sequence(int64_t seq);      // IndexError for a dead id
+  int64_t length(int64_t seq) const;    // positions decoded; IndexError for a dead id
+  bool contains(int64_t seq) const;
+
+  std::vector<PagedKvCache> layers;
+};
+
 class TransformerBlock : public nn::Module {
  public:
   TransformerBlock(const GPTConfig& config, Generator& gen);
@@ -87,6 +107,9 @@ class TransformerBlock : public nn::Module {
   // advances by L) and attends over every cached position. weights: if non-null, gets the
   // attention weights (B, H, L, cache.length + L).
   Tensor forward_cached(const TensorView& x, nn::KVCacheLayer& cache, Tensor* weights) const;
+  // The same over a paged cache: x (N, L, C) holds the L newest tokens of the sequences
+  // seq_ids (att.forward_paged).
+  Tensor forward_paged(const TensorView& x, PagedKvCache& cache, std::span<const int64_t> seq_ids) const;
 
   nn::NamedTensors named_parameters() override;
   nn::NamedTensors named_grads() override;
@@ -118,6 +141,14 @@ class GPTModel : public nn::Module {
   // tensor per layer.
   Tensor forward_cached(std::span<const int64_t> ids, int64_t B, int64_t L, KVCache& cache,
                         std::vector<Tensor>* attn_weights = nullptr) const;
+  // Incremental decoding over a paged cache: ids (N, L) are the next L tokens of each of the N
+  // distinct live sequences seq_ids, each at its own position cache.length(seq) -> logits
+  // (N, L, vocab). Any L: more than 16 new tokens go through in chunks of 16 (paged_attention's
+  // range). Errors, with the cache unchanged: ShapeError for a wrong id count or positions past
+  // context_length, IndexError for an id outside the vocabulary or a dead or repeated sequence,
+  // ValueError for too few free pages.
+  Tensor forward_paged(std::span<const int64_t> ids, int64_t N, int64_t L, PagedKVCache& cache,
+                       std::span<const int64_t> seq_ids) const;
 
   nn::NamedTensors named_parameters() override;
   nn::NamedTensors named_grads() override;
@@ -236,15 +267,34 @@ struct SamplingOptions {
   int64_t top_k = 0;         // > 0: sample among the k most likely tokens only
   uint64_t seed = 0;
   bool use_cache = true;     // false: recompute the whole sequence for every new token
+  // The paged KV cache's element type (float32, bfloat16, float16, int8) and tokens per page.
+  DType kv_dtype = DType::kFloat32;
+  int64_t page_size = 16;
 };
 
 // Generates up to max_new_tokens after `prompt` (stops at the context length), one token at a
-// time. ValueError for an empty prompt, ShapeError for a prompt longer than the context,
-// IndexError for an id outside the vocabulary. step_logits: if non-null, the (vocab) logits
-// each new token was chosen from.
+// time, through a paged KV cache (use_cache) or recomputing the whole sequence. ValueError for
+// an empty prompt, ShapeError for a prompt longer than the context, IndexError for an id outside
+// the vocabulary. step_logits: if non-null, the (vocab) logits each new token was chosen from.
 std::vector<int64_t> generate(const GPTModel& model, std::span<const int64_t> prompt,
                               const SamplingOptions& options,
                               std::vector<Tensor>* step_logits = nullptr);
+
+// generate() for several prompts at once: each is a sequence of one paged cache, prefilled on
+// its own, then every unfinished sequence decodes together, one forward_paged call per step.
+// Each prompt samples from its own Generator(seed), so every result is what generate() gives
+// for that prompt alone. Errors as generate()'s, naming prompts[i]; use_cache = false
+// recomputes each prompt's sequence alone. step_logits: one list per prompt.
+std::vector<std::vector<int64_t>> generate_batch(const GPTModel& model,
+                                                 std::span<const std::vector<int64_t>> prompts,
+                                                 const SamplingOptions& options,
+                                                 std::vector<std::vector<Tensor>>* step_logits = nullptr);
+
+// The logits (B, T, vocab) of B sequences of T tokens (ids row-major) fed one token per step
+// through a paged cache of kv_dtype: what generation computes at each position, with every key
+// and value stored at the cache's precision (`attn eval` compares KV dtypes with it).
+Tensor decode_logits(const GPTModel& model, std::span<const int64_t> ids, int64_t B, int64_t T,
+                     DType kv_dtype, int64_t page_size = 16);
 
 // Checks ids against the model before anything runs: IndexError naming the position.
 void check_ids(std::span<const int64_t> ids, int64_t vocab_size, const char* what);

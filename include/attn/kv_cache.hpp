@@ -17,6 +17,8 @@
 //
 // paged_attention reads the pages in place (no gather copy) through the split-KV decode kernel
 // (src/sdpa/cpu/decode*.cpp), the one scaled_dot_product_attention uses for short queries.
+// (Until that kernel lands, src/sdpa/paged_attention.cpp gathers each sequence's pages and calls
+// scaled_dot_product_attention; the argument checks, in check_paged_attention, stay as they are.)
 //
 // Errors are typed and leave the cache unchanged: every argument of a call is checked before
 // anything is written.
@@ -105,6 +107,12 @@ class PagedKvCache {
     std::vector<int64_t> pages;
   };
   const Sequence& live_sequence(int64_t seq, const char* who) const;
+  // Pages an append of `tokens` to `s` takes from the free list; ValueError when too few are free.
+  int64_t pages_needed(const Sequence& s, int64_t tokens, const char* who) const;
+  // Writes checked tokens (T, heads_kv, dim) already in the cache's dtype (and their int8 scales).
+  void write_tokens(int64_t seq, int64_t new_pages, const Tensor& key, const Tensor& value,
+                    const Tensor* key_scale, const Tensor* value_scale);
+  Tensor gather(int64_t seq, bool values, const char* who) const;
 
   PagedKvCacheOptions options_;
   Tensor keys_, values_, key_scales_, value_scales_;

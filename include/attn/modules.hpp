@@ -26,6 +26,7 @@
 
 #include "attn/functional.hpp"
 #include "attn/grad_mode.hpp"
+#include "attn/kv_cache.hpp"
 
 namespace attn::nn {
 
@@ -309,6 +310,14 @@ class MultiHeadAttention : public Module {
   // module, or L positions past the cache's capacity.
   Tensor forward_cached(const TensorView& x, KVCacheLayer& cache,
                         Tensor* attn_weights = nullptr) const;
+  // The same over a paged cache (attn/kv_cache.hpp; heads_kv = num_heads, head_dim = head_dim):
+  // x (N, L, d_in) holds the L newest tokens of the N distinct sequences seq_ids, each at its
+  // own position cache.length(seq). Their keys and values are appended to the cache, and the
+  // queries attend through paged_attention (causal, bottom-right) -> (N, L, d_out). L is at most
+  // 16 (paged_attention's range; feed longer prompts in chunks). Errors (the cache unchanged):
+  // ShapeError for an x or a cache that does not fit, IndexError for a dead or repeated id,
+  // ValueError for L > 16 or too few free pages for all N appends.
+  Tensor forward_paged(const TensorView& x, PagedKvCache& cache, std::span<const int64_t> seq_ids) const;
   // A cache for this module: (batch, num_heads, capacity, head_dim), capacity by default its
   // context_length.
   KVCacheLayer make_cache(int64_t batch, std::optional<int64_t> capacity = std::nullopt) const;

@@ -1,11 +1,13 @@
-// Loss and perplexity on the scored positions, and token-by-token generation with or without the
-// KV cache (greedy, temperature and top-k sampling).
+// Loss and perplexity on the scored positions, and token-by-token generation (greedy, temperature
+// and top-k sampling) with the paged KV cache, for one prompt or a batch decoded together, or
+// without a cache.
 #include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 #include <functional>
 #include <limits>
 #include <optional>
+#include <string>
 
 #include "attn/error.hpp"
 #include "attn/gpt.hpp"
@@ -119,15 +121,20 @@ int64_t choose(const float* row, int64_t V, const SamplingOptions& o, Generator&
 
 }  // namespace
 
-std::vector<int64_t> generate(const GPTModel& model, std::span<const int64_t> prompt,
-                              const SamplingOptions& o, std::vector<Tensor>* step_logits) {
-  const GPTConfig& c = model.config;
-  if (prompt.empty()) throw ValueError("generate: the prompt must have at least one token");
+namespace {
+
+// The checks of generate() and generate_batch(), before anything runs; `name` is "the prompt"
+// or "prompts[i]".
+void check_prompt(const GPTConfig& c, std::span<const int64_t> prompt, const std::string& name) {
+  if (prompt.empty()) throw ValueError(fmt::format("generate: {} must have at least one token", name));
   if (static_cast<int64_t>(prompt.size()) > c.context_length) {
-    throw ShapeError(fmt::format("generate: the prompt has {} tokens, more than the model's context "
-                                 "length {}", prompt.size(), c.context_length));
+    throw ShapeError(fmt::format("generate: {} has {} tokens, more than the model's context length {}", name,
+                                 prompt.size(), c.context_length));
   }
-  check_ids(prompt, c.vocab_size, "generate: prompt");
+  check_ids(prompt, c.vocab_size, fmt::format("generate: {}", name == "the prompt" ? "prompt" : name).c_str());
+}
+
+void check_sampling(const SamplingOptions& o) {
   if (o.max_new_tokens < 0) {
     throw ValueError(fmt::format("generate: max_new_tokens must be >= 0, got {}", o.max_new_tokens));
   }
@@ -135,36 +142,112 @@ std::vector<int64_t> generate(const GPTModel& model, std::span<const int64_t> pr
     throw ValueError(fmt::format("generate: temperature must be finite and >= 0, got {}", o.temperature));
   }
   if (o.top_k < 0) throw ValueError(fmt::format("generate: top_k must be >= 0, got {}", o.top_k));
-  if (step_logits != nullptr) step_logits->clear();
+  if (o.page_size <= 0) throw ValueError(fmt::format("generate: page_size must be positive, got {}", o.page_size));
+}
 
-  Generator gen(o.seed);
-  std::vector<int64_t> seq(prompt.begin(), prompt.end()), out;
-  const int64_t V = c.vocab_size;
-  std::optional<KVCache> cache;
-  Tensor logits;
-  // Logits of the last position of `seq` (V), from the cache or from the whole sequence.
-  auto last_logits = [&](std::span<const int64_t> fresh) {
-    const int64_t n = static_cast<int64_t>(seq.size());
-    if (o.use_cache) {
-      logits = model.forward_cached(fresh, 1, static_cast<int64_t>(fresh.size()), *cache);
-    } else {
-      logits = model.forward(seq, 1, n);
-    }
-    const int64_t rows = logits.numel() / V;
-    return Tensor(Shape{V}, std::span<const float>(logits.data() + (rows - 1) * V, V));
-  };
-  if (o.use_cache) cache.emplace(c, 1);
-  Tensor row = last_logits(seq);
-  for (int64_t i = 0; i < o.max_new_tokens; ++i) {
-    if (step_logits != nullptr) step_logits->push_back(row);
-    const int64_t tok = choose(row.data(), V, o, gen);
-    out.push_back(tok);
-    seq.push_back(tok);
-    // The new token has no position left to be fed at: stop at the context length.
-    if (i + 1 == o.max_new_tokens || static_cast<int64_t>(seq.size()) > c.context_length) break;
-    row = last_logits(std::span<const int64_t>(&seq.back(), 1));
+// The last row (V) of logits (..., V).
+Tensor last_row(const Tensor& logits, int64_t V) {
+  const int64_t rows = logits.numel() / V;
+  return Tensor(Shape{V}, std::span<const float>(logits.data() + (rows - 1) * V, V));
+}
+
+// One prompt's generation in progress.
+struct Stream {
+  Stream(std::span<const int64_t> prompt, uint64_t seed) : seq(prompt.begin(), prompt.end()), gen(seed) {}
+  std::vector<int64_t> seq, out;
+  Generator gen;
+  Tensor row;  // the logits the next token is chosen from
+  int64_t id = -1;
+  bool done = false;
+};
+
+// Chooses the stream's next token from its row; done when it has max_new_tokens or the new token
+// has no position left to be fed at (the context length).
+void advance(Stream& s, const SamplingOptions& o, int64_t context_length, std::vector<Tensor>* logits) {
+  if (logits != nullptr) logits->push_back(s.row);
+  const int64_t tok = choose(s.row.data(), s.row.numel(), o, s.gen);
+  s.out.push_back(tok);
+  s.seq.push_back(tok);
+  s.done = static_cast<int64_t>(s.out.size()) == o.max_new_tokens ||
+           static_cast<int64_t>(s.seq.size()) > context_length;
+}
+
+// Without a cache: the whole sequence again for every token.
+std::vector<int64_t> generate_recomputing(const GPTModel& model, std::span<const int64_t> prompt,
+                                          const SamplingOptions& o, std::vector<Tensor>* step_logits) {
+  Stream s(prompt, o.seed);
+  const int64_t V = model.config.vocab_size;
+  while (static_cast<int64_t>(s.out.size()) < o.max_new_tokens && !s.done) {
+    s.row = last_row(model.forward(s.seq, 1, static_cast<int64_t>(s.seq.size())), V);
+    advance(s, o, model.config.context_length, step_logits);
   }
-  return out;
+  return s.out;
+}
+
+}  // namespace
+
+std::vector<std::vector<int64_t>> generate_batch(const GPTModel& model,
+                                                 std::span<const std::vector<int64_t>> prompts,
+                                                 const SamplingOptions& o,
+                                                 std::vector<std::vector<Tensor>>* step_logits) {
+  const GPTConfig& c = model.config;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    check_prompt(c, prompts[i], prompts.size() == 1 ? "the prompt" : fmt::format("prompts[{}]", i));
+  }
+  check_sampling(o);
+  if (step_logits != nullptr) step_logits->assign(prompts.size(), {});
+  auto logits_of = [&](size_t i) { return step_logits != nullptr ? &(*step_logits)[i] : nullptr; };
+  std::vector<std::vector<int64_t>> outs;
+  if (!o.use_cache) {
+    for (size_t i = 0; i < prompts.size(); ++i) outs.push_back(generate_recomputing(model, prompts[i], o, logits_of(i)));
+    return outs;
+  }
+  const int64_t V = c.vocab_size;
+  // Every sequence feeds at most context_length tokens.
+  PagedKVCache cache(c, PagedKVCache::pages_for(static_cast<int64_t>(prompts.size()), c.context_length, o.page_size),
+                     o.page_size, o.kv_dtype);
+  std::vector<Stream> streams;
+  for (const std::vector<int64_t>& p : prompts) {
+    Stream& s = streams.emplace_back(p, o.seed);
+    s.id = cache.add_sequence();
+    s.done = o.max_new_tokens == 0;
+    if (s.done) continue;
+    // Prefill alone: prompts differ in length.
+    s.row = last_row(model.forward_paged(p, 1, static_cast<int64_t>(p.size()), cache, std::span(&s.id, 1)), V);
+  }
+  while (true) {
+    std::vector<int64_t> ids, tokens;
+    std::vector<size_t> live;
+    for (size_t i = 0; i < streams.size(); ++i) {
+      Stream& s = streams[i];
+      if (s.done) continue;
+      advance(s, o, c.context_length, logits_of(i));
+      if (s.done) {
+        cache.free_sequence(s.id);
+        continue;
+      }
+      ids.push_back(s.id);
+      tokens.push_back(s.seq.back());
+      live.push_back(i);
+    }
+    if (live.empty()) break;
+    const int64_t N = static_cast<int64_t>(live.size());
+    const Tensor logits = model.forward_paged(tokens, N, 1, cache, ids);  // (N, 1, V)
+    for (int64_t j = 0; j < N; ++j) {
+      streams[live[static_cast<size_t>(j)]].row = Tensor(Shape{V}, std::span<const float>(logits.data() + j * V, V));
+    }
+  }
+  for (Stream& s : streams) outs.push_back(std::move(s.out));
+  return outs;
+}
+
+std::vector<int64_t> generate(const GPTModel& model, std::span<const int64_t> prompt,
+                              const SamplingOptions& o, std::vector<Tensor>* step_logits) {
+  const std::vector<std::vector<int64_t>> prompts{std::vector<int64_t>(prompt.begin(), prompt.end())};
+  std::vector<std::vector<Tensor>> logits;
+  std::vector<std::vector<int64_t>> out = generate_batch(model, prompts, o, step_logits != nullptr ? &logits : nullptr);
+  if (step_logits != nullptr) *step_logits = std::move(logits.front());
+  return std::move(out.front());
 }
 
 }  // namespace attn::gpt

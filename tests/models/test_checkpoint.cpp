@@ -2,7 +2,6 @@
 // input (corrupt, truncated, foreign or differently shaped files; prompts outside the vocabulary
 // or the context) throws a clear error instead of crashing.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -11,23 +10,12 @@
 #include <unistd.h>
 
 #include "attn/gpt_train.hpp"
+#include "models/gpt_fixtures.hpp"
 
 namespace attn {
 namespace {
 
-// The models here are tiny: one OpenMP thread. With ctest running suites side by side on two
-// cores, spinning OpenMP threads would make their thousands of tiny parallel regions crawl.
-class OneThread : public ::testing::Test {
- protected:
-  void SetUp() override {
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(1);
-  }
-  void TearDown() override { omp_set_num_threads(saved_); }
-
- private:
-  int saved_ = 1;
-};
+using test::OneThread;
 class Checkpoint : public OneThread {};
 class Generate : public OneThread {};
 

@@ -2,7 +2,6 @@
 // KV cache against full recomputation, loss and perplexity against float64, and a short training
 // run whose loss falls.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <map>
@@ -11,23 +10,12 @@
 #include "attn/gpt.hpp"
 #include "attn/gpt_train.hpp"
 #include "grad_check.hpp"
+#include "models/gpt_fixtures.hpp"
 
 namespace attn {
 namespace {
 
-// The models here are tiny: one OpenMP thread. With ctest running suites side by side on two
-// cores, spinning OpenMP threads would make their thousands of tiny parallel regions crawl.
-class OneThread : public ::testing::Test {
- protected:
-  void SetUp() override {
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(1);
-  }
-  void TearDown() override { omp_set_num_threads(saved_); }
-
- private:
-  int saved_ = 1;
-};
+using test::OneThread;
 class GPT : public OneThread {};
 class KVCache : public OneThread {};
 class Training : public OneThread {};
@@ -199,15 +187,7 @@ TEST_F(GPT, ParameterNamesArePyTorchStyle) {
 
 // ---- KV cache ------------------------------------------------------------------------------------
 
-GPTConfig decode_config() {
-  GPTConfig c;
-  c.vocab_size = 20;
-  c.context_length = 80;
-  c.d_model = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  return c;
-}
+using test::decode_config;
 
 void expect_cached_equals_full(const gpt::SamplingOptions& base) {
   Generator gen(3);

@@ -1,0 +1,27 @@
+// The argument checks of paged_attention (attn/kv_cache.hpp), apart from its body, so that every
+// implementation behind it (today's gather + scaled_dot_product_attention, the decode kernel that
+// reads the pages in place) refuses exactly the same calls with exactly the same errors.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "attn/kv_cache.hpp"
+
+namespace attn::detail {
+
+// The sizes of a checked call: query (N, L_q, H_q, E), output (N, L_q, H_q, Ev).
+struct PagedAttentionShape {
+  int64_t N = 0, L_q = 0, H_q = 0, E = 0, Ev = 0;
+  double scale = 0.0;  // options.scale, or 1/sqrt(E)
+};
+
+inline constexpr int64_t kMaxPagedQueries = 16;
+
+// ShapeError, DTypeError, IndexError, ValueError as the header documents, each naming the
+// argument ("query", "seq_ids[i]", "options.scale", ...).
+PagedAttentionShape check_paged_attention(const TensorView& query, const PagedKvCache& cache,
+                                          std::span<const int64_t> seq_ids,
+                                          const PagedAttentionOptions& options);
+
+}  // namespace attn::detail

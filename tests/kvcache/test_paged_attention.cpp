@@ -1,0 +1,185 @@
+// paged_attention against scaled_dot_product_attention on each sequence's gathered keys and
+// values: within 2x the float32 reference's error against float64 (tests/sdpa/test_low_precision.cpp's
+// rule), for sequences of different lengths whose pages interleave in the pool, GQA, causal
+// bottom-right with several new tokens, every cache dtype; and every error of the header.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attn/attn.hpp"
+#include "sdpa/cpu/sdpa_cases.hpp"
+
+namespace attn {
+namespace {
+
+struct DecodeCase {
+  int64_t Hq, Hkv, E, Ev, L_q;
+  bool causal;
+  DType cache_dtype = DType::kFloat32;
+  DType query_dtype = DType::kFloat32;
+};
+
+std::string describe(const DecodeCase& s) {
+  return "Hq" + std::to_string(s.Hq) + " Hkv" + std::to_string(s.Hkv) + " E" + std::to_string(s.E) +
+         " Ev" + std::to_string(s.Ev) + " Lq" + std::to_string(s.L_q) + (s.causal ? " causal" : "") +
+         " cache " + std::string(dtype_name(s.cache_dtype)) + " query " + std::string(dtype_name(s.query_dtype));
+}
+
+// Sequences of lengths 37, L_q, 5 + L_q, 70 (ids 0, 2, 3, 4 after id 1 was freed), filled a few
+// tokens at a time in turn, so that their pages interleave and reuse freed ones.
+PagedKvCache filled_cache(const DecodeCase& s, std::vector<int64_t>& ids) {
+  PagedKvCacheOptions o;
+  o.num_pages = 64;
+  o.page_size = 8;
+  o.heads_kv = s.Hkv;
+  o.head_dim = s.E;
+  o.head_dim_v = s.Ev;
+  o.dtype = s.cache_dtype;
+  PagedKvCache c(o);
+  for (int i = 0; i < 4; ++i) c.add_sequence();
+  Generator gen(17);
+  c.append(1, randn({20, s.Hkv, s.E}, gen), randn({20, s.Hkv, s.Ev}, gen));
+  ids = {0, 2, 3, 4};
+  const std::vector<int64_t> lengths{37, s.L_q, 5 + s.L_q, 70};
+  for (int round = 0, busy = 1; busy || round < 3; ++round) {
+    if (round == 2) {
+      c.free_sequence(1);
+      EXPECT_EQ(c.add_sequence(), 1);  // filler: takes freed pages too
+      c.append(1, randn({9, s.Hkv, s.E}, gen), randn({9, s.Hkv, s.Ev}, gen));
+      EXPECT_EQ(c.add_sequence(), 4);
+    }
+    busy = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!c.contains(ids[i])) continue;
+      const int64_t n = std::min<int64_t>(6, lengths[i] - c.length(ids[i]));
+      if (n > 0) c.append(ids[i], randn({n, s.Hkv, s.E}, gen), randn({n, s.Hkv, s.Ev}, gen));
+      busy += n > 0 ? 1 : 0;
+    }
+  }
+  for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(c.length(ids[i]), lengths[i]);
+  return c;
+}
+
+void expect_matches_dense(const DecodeCase& s) {
+  std::vector<int64_t> ids;
+  const PagedKvCache cache = filled_cache(s, ids);
+  ids.push_back(0);  // a sequence may appear twice
+  const int64_t N = static_cast<int64_t>(ids.size());
+  Generator gen(23);
+  const Tensor query = randn({N, s.L_q, s.Hq, s.E}, gen).to(s.query_dtype);
+  PagedAttentionOptions po;
+  po.is_causal = s.causal;
+  po.need_lse = true;
+  po.scale = 0.3;
+  const SdpaResult got = paged_attention(query, cache, ids, po);
+  ASSERT_EQ(got.output.shape(), (Shape{N, s.L_q, s.Hq, s.Ev})) << describe(s);
+  ASSERT_EQ(got.output.dtype(), s.query_dtype);
+  ASSERT_EQ(got.lse.shape(), (Shape{N, s.Hq, s.L_q}));
+  ASSERT_EQ(got.lse.dtype(), DType::kFloat32);
+  SdpaOptions o;
+  o.enable_gqa = true;
+  o.is_causal = s.causal;
+  o.causal_alignment = CausalAlignment::kBottomRight;
+  o.scale = 0.3;
+  o.need_lse = true;
+  o.backend = SdpaBackend::kReference;
+  const Tensor q32 = query.to(DType::kFloat32);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t id = ids[static_cast<size_t>(i)];
+    const Tensor q = q32.select(0, i).transpose(0, 1).unsqueeze(0).contiguous();
+    const Tensor k = cache.gather_keys(id).unsqueeze(0).contiguous(), v = cache.gather_values(id).unsqueeze(0).contiguous();
+    const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q, k, v, o);
+    const double ref_err = test::max_abs_err(scaled_dot_product_attention(q, k, v, o).output.to(s.query_dtype), truth.output);
+    const TensorView out_i = got.output.select(0, i).transpose(0, 1).unsqueeze(0);  // (1, H, L, Ev)
+    EXPECT_LE(test::max_abs_err(out_i, truth.output), 2.0 * ref_err + 1e-5)
+        << describe(s) << " seq " << id << " (reference error " << ref_err << ")";
+    EXPECT_LE(test::max_abs_err(got.lse.select(0, i).unsqueeze(0), truth.lse), 1e-4) << describe(s) << " lse";
+  }
+}
+
+TEST(PagedAttention, EqualsDenseAttentionOnGatheredKv) {
+  const DecodeCase setups[] = {
+      {4, 4, 16, 16, 1, false},  {4, 4, 16, 16, 1, true},  {8, 2, 32, 24, 3, true},
+      {4, 1, 8, 8, 16, true},    {6, 3, 16, 16, 5, false}, {2, 2, 64, 64, 16, false},
+  };
+  for (const DecodeCase& s : setups) expect_matches_dense(s);
+}
+
+TEST(PagedAttention, EveryCacheAndQueryDtype) {
+  for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt8}) {
+    for (DType query : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      expect_matches_dense({8, 2, 16, 16, 4, true, cache, query});
+    }
+  }
+}
+
+TEST(PagedAttention, CausalBottomRightHidesLaterNewTokens) {
+  // One sequence of 3 tokens whose values are 0, 1, 2 and equal keys: query i averages values
+  // 0..i. Without is_causal every query averages all three.
+  PagedKvCacheOptions o{.num_pages = 2, .page_size = 2, .heads_kv = 1, .head_dim = 2};
+  PagedKvCache c(o);
+  const int64_t id = c.add_sequence();
+  c.append(id, Tensor::ones({3, 1, 2}), Tensor::of({3, 1, 2}, {0, 0, 1, 1, 2, 2}));
+  const Tensor q = Tensor::ones({1, 2, 1, 2});  // the newest 2 tokens
+  const std::vector<int64_t> ids{id};
+  const Tensor causal = paged_attention(q, c, ids, {.is_causal = true}).output;
+  EXPECT_NEAR(causal.at({0, 0, 0, 0}), 0.5f, 1e-6);  // sees tokens 0, 1
+  EXPECT_NEAR(causal.at({0, 1, 0, 0}), 1.0f, 1e-6);  // sees 0, 1, 2
+  const Tensor full = paged_attention(q, c, ids).output;
+  EXPECT_NEAR(full.at({0, 0, 0, 1}), 1.0f, 1e-6);
+}
+
+TEST(PagedAttention, EmptyBatchGivesEmptyOutput) {
+  PagedKvCache c(PagedKvCacheOptions{.num_pages = 1, .heads_kv = 2, .head_dim = 4, .head_dim_v = 3});
+  const SdpaResult r = paged_attention(Tensor::zeros({0, 2, 4, 4}, DType::kBFloat16), c, {}, {.need_lse = true});
+  EXPECT_EQ(r.output.shape(), (Shape{0, 2, 4, 3}));
+  EXPECT_EQ(r.output.dtype(), DType::kBFloat16);
+  EXPECT_EQ(r.lse.shape(), (Shape{0, 4, 2}));
+}
+
+// ---- errors ------------------------------------------------------------------------------------
+
+template <typename E, typename F>
+void expect_error(F&& call, const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted; expected an error naming " << fragment;
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type: " << e.what();
+  }
+}
+
+TEST(PagedAttentionErrors, EveryBadArgumentIsTypedAndNamed) {
+  PagedKvCache c(PagedKvCacheOptions{.num_pages = 4, .page_size = 4, .heads_kv = 2, .head_dim = 8});
+  for (int i = 0; i < 3; ++i) c.add_sequence();
+  c.append(0, Tensor::ones({5, 2, 8}), Tensor::ones({5, 2, 8}));
+  c.append(1, Tensor::ones({2, 2, 8}), Tensor::ones({2, 2, 8}));
+  c.free_sequence(2);
+  const Tensor q = Tensor::ones({2, 2, 4, 8});
+  const std::vector<int64_t> ok{0, 1}, freed{0, 2}, unknown{9, 0}, one{0};
+  (void)paged_attention(q, c, ok);
+  expect_error<ShapeError>([&] { (void)paged_attention(Tensor::ones({2, 4, 8}), c, ok); }, "query");
+  expect_error<ShapeError>([&] { (void)paged_attention(TensorView(), c, ok); }, "undefined");
+  expect_error<DTypeError>([&] { (void)paged_attention(q.to(DType::kFloat64), c, ok); }, "float64");
+  expect_error<DTypeError>([&] { (void)paged_attention(q.to(DType::kInt32), c, ok); }, "query");
+  expect_error<ShapeError>([&] { (void)paged_attention(q, c, one); }, "seq_ids");
+  expect_error<ShapeError>([&] { (void)paged_attention(Tensor::ones({2, 2, 4, 6}), c, ok); }, "head_dim 8");
+  expect_error<ShapeError>([&] { (void)paged_attention(Tensor::ones({2, 2, 3, 8}), c, ok); }, "heads_kv 2");
+  expect_error<ValueError>([&] { (void)paged_attention(Tensor::ones({2, 17, 4, 8}), c, ok); }, "[1, 16]");
+  expect_error<ValueError>([&] { (void)paged_attention(Tensor::ones({2, 0, 4, 8}), c, ok); }, "L_q");
+  expect_error<IndexError>([&] { (void)paged_attention(q, c, freed); }, "seq_ids[1] = 2");
+  expect_error<IndexError>([&] { (void)paged_attention(q, c, unknown); }, "seq_ids[0] = 9");
+  // seq 1 holds 2 tokens: 3 new ones cannot all be in it.
+  expect_error<ValueError>([&] { (void)paged_attention(Tensor::ones({2, 3, 4, 8}), c, ok); },
+                           "seq_ids[1] = 1 holds 2 tokens, fewer than L_q = 3");
+  expect_error<ValueError>([&] { (void)paged_attention(q, c, ok, {.scale = std::nan("")}); }, "options.scale");
+  expect_error<ValueError>([&] { (void)paged_attention(q, c, ok, {.scale = 1e300}); }, "options.scale");
+  expect_error<ValueError>([&] { (void)paged_attention(q, c, ok, {.num_threads = -1}); }, "num_threads");
+}
+
+}  // namespace
+}  // namespace attn
