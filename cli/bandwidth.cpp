@@ -15,7 +15,6 @@
 #include "bench.hpp"  // median
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
 #define ATTN_BANDWIDTH_X86 1
 #endif
 
@@ -27,59 +26,38 @@ constexpr int64_t kBlock = 128;
 
 using SumKernel = float (*)(const float* p, int64_t n);  // n: a multiple of kBlock
 
-#ifdef ATTN_BANDWIDTH_X86
+// Vectors of 16, 8 and 4 floats (GCC vector extensions).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
 
-// 8 accumulators of 16 floats: 8 independent loads and adds per iteration, 512 bytes.
-__attribute__((target("avx512f"))) float sum_avx512(const float* p, int64_t n) {
-  __m512 acc[8];
-#pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += kBlock) {
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_load_ps(p + i + 16 * c));
-  }
-#pragma GCC unroll 8
-  for (int c = 1; c < 8; ++c) acc[0] = _mm512_add_ps(acc[0], acc[c]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc[0]);
-  float total = 0.0f;
-  for (float x : lanes) total += x;
-  return total;
-}
-
-// 8 accumulators of 8 floats, two iterations of 256 bytes per block.
-__attribute__((target("avx2"))) float sum_avx2(const float* p, int64_t n) {
-  __m256 acc[8];
-#pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += kBlock / 2) {
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_add_ps(acc[c], _mm256_load_ps(p + i + 8 * c));
-  }
-#pragma GCC unroll 8
-  for (int c = 1; c < 8; ++c) acc[0] = _mm256_add_ps(acc[0], acc[c]);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc[0]);
-  float total = 0.0f;
-  for (float x : lanes) total += x;
-  return total;
-}
-
-#endif  // ATTN_BANDWIDTH_X86
-
-typedef float V4 __attribute__((vector_size(16), aligned(16)));
-
-float sum_generic(const float* p, int64_t n) {
-  V4 acc[8] = {};
-  const V4* v = reinterpret_cast<const V4*>(p);
-  for (int64_t i = 0; i < n / 4; i += 8) {
+// Sums n floats with 8 accumulators of type V (Lanes floats): 8 independent loads and adds per
+// iteration. Written once and inlined into each ISA's entry point below, which compiles it for
+// that ISA (a V16 becomes one zmm register under avx512f).
+template <typename V, int Lanes>
+inline __attribute__((always_inline)) float sum_vectors(const float* p, int64_t n) {
+  V acc[8] = {};
+  const V* v = reinterpret_cast<const V*>(__builtin_assume_aligned(p, 64));
+  for (int64_t i = 0; i < n / Lanes; i += 8) {
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) acc[c] += v[i + c];
   }
-  V4 s = acc[0];
-  for (int c = 1; c < 8; ++c) s += acc[c];
-  return s[0] + s[1] + s[2] + s[3];
+  for (int c = 1; c < 8; ++c) acc[0] += acc[c];
+  float total = 0.0f;
+  for (int lane = 0; lane < Lanes; ++lane) total += acc[0][lane];
+  return total;
 }
+
+#ifdef ATTN_BANDWIDTH_X86
+__attribute__((target("avx512f"))) float sum_avx512(const float* p, int64_t n) {
+  return sum_vectors<V16, 16>(p, n);
+}
+__attribute__((target("avx2"))) float sum_avx2(const float* p, int64_t n) {
+  return sum_vectors<V8, 8>(p, n);
+}
+#endif
+
+float sum_generic(const float* p, int64_t n) { return sum_vectors<V4, 4>(p, n); }
 
 struct SumProbe {
   SumKernel kernel;
