@@ -89,7 +89,7 @@ int run(int argc, char** argv) {
       "Time scaled_dot_product_attention on random q (B, H, L, E) and k, v (B, Hkv, S, E):\n"
       "median and min of the timed runs, GFLOP/s (4*B*H*L*S*E, halved when causal), the FMA\n"
       "peak measured in the same run on the same threads, peak RSS and the BLAS core.\n"
-      "Decode mode, L <= 16 (forward): the K/V bytes read per second (B*Hkv*S*(E+Ev)*sizeof\n"
+      "Decode mode, L <= 16 (forward): the K/V bytes read per second (B*Hkv*S*(E+Ev) elements\n"
       "per call: each kv head once, also under GQA) against the read bandwidth measured in the\n"
       "same run (STREAM-like sum over an array of 4x the last-level cache) and their ratio; the\n"
       "timed calls rotate among enough copies of K/V (2x the last-level cache and more) that K/V\n"
