@@ -9,8 +9,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <ostream>
 
+#include "attn/error.hpp"
 #include "attn/random.hpp"
 #include "peak.hpp"
 
@@ -66,6 +68,65 @@ std::string shape_text(const BenchConfig& c) {
                      c.seq, c.seq_kv_or_default(), c.dim);
 }
 
+// ", not causal", ", causal" (top-left: the text before --causal-align existed) or
+// ", causal (bottom-right)".
+std::string causal_text(const BenchConfig& c) {
+  if (!c.causal) return ", not causal";
+  return c.causal_align == "bottom-right" ? ", causal (bottom-right)" : ", causal";
+}
+
+std::string mib_text(int64_t bytes) {
+  return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / double(1 << 20));
+}
+
+// A copy of `t` with its bytes rotated by `shift` elements: the same values in another order,
+// so that no two copies of K/V share a page's contents (a hypervisor merging identical pages
+// would otherwise map the copies onto the same memory, and the same cache lines).
+Tensor rotated_copy(const Tensor& t, int64_t shift) {
+  Tensor r = Tensor::empty(t.shape(), t.dtype());
+  const size_t bytes = static_cast<size_t>(t.numel() * t.element_size());
+  const size_t cut = static_cast<size_t>((shift % t.numel()) * t.element_size());
+  const auto* from = static_cast<const char*>(t.raw_data());
+  auto* to = static_cast<char*>(r.raw_data());
+  std::memcpy(to, from + cut, bytes - cut);
+  std::memcpy(to + (bytes - cut), from, cut);
+  return r;
+}
+
+std::string one_line(std::string s) {
+  for (char& ch : s) {
+    if (ch == '\n' || ch == '\r') ch = ' ';
+  }
+  return s;
+}
+
+std::string json_times(const std::vector<double>& times_ms) {
+  std::string s;
+  for (const double t : times_ms) s += (s.empty() ? "" : ", ") + json_number(t, 4);
+  return s;
+}
+
+// The read probe's JSON fields (no braces), shared by --peak-only and decode mode.
+std::string bandwidth_json(const BandwidthResult& b) {
+  return fmt::format("\"bandwidth_gbps\": {}, \"bandwidth_best_gbps\": {}, \"bandwidth_threads\": {}, "
+                     "\"bandwidth_bytes\": {}, \"bandwidth_passes\": {}, \"bandwidth_isa\": {}, "
+                     "\"llc_bytes\": {}",
+                     json_number(b.gbps, 3), json_number(b.best_gbps, 3), b.threads, b.bytes,
+                     b.passes, json_string(b.isa), b.llc_bytes);
+}
+
+std::string bandwidth_text(const BandwidthResult& b) {
+  const std::string llc = b.llc_bytes > 0 ? "LLC " + mib_text(b.llc_bytes) : "LLC unknown";
+  return fmt::format("{:.2f} GB/s (read probe, {}: {} threads, {} array, {}; median of {} "
+                     "passes, best {:.2f})",
+                     b.gbps, b.isa, b.threads, mib_text(b.bytes), llc, b.passes, b.best_gbps);
+}
+
+std::string dtype_text(const BenchConfig& c) {
+  const std::string kv = c.kv_dtype_or_default();
+  return kv == c.dtype ? c.dtype : fmt::format("{} (q), {} (k, v)", c.dtype, kv);
+}
+
 std::string blas_text(const BenchResult& r) {
   std::string s = r.blas_core;
   if (!r.blas_config.empty()) s += fmt::format(" ({})", r.blas_config);
@@ -100,6 +161,16 @@ std::optional<std::string> validate(const BenchConfig& c) {
   if (c.dtype != "f32" && c.dtype != "bf16" && c.dtype != "f16" && c.dtype != "f64") {
     return fmt::format("--dtype must be f32, bf16, f16 or f64 (got '{}')", c.dtype);
   }
+  if (const std::string kv = c.kv_dtype_or_default();
+      c.kv_dtype && kv != "f32" && kv != "bf16" && kv != "f16") {
+    return fmt::format("--kv-dtype must be f32, bf16 or f16 (got '{}')", kv);
+  }
+  if (c.causal_align != "top-left" && c.causal_align != "bottom-right") {
+    return fmt::format("--causal-align must be top-left or bottom-right (got '{}')", c.causal_align);
+  }
+  if (c.causal_align == "bottom-right" && !c.causal) {
+    return "--causal-align bottom-right needs --causal";
+  }
   if (!c.kernel.empty()) {
     std::string names;
     for (const SdpaKernelInfo& k : sdpa_kernels()) {
@@ -124,22 +195,47 @@ DType dtype_of(const std::string& dtype) {
   return DType::kFloat32;
 }
 
+CausalAlignment alignment_of(const std::string& causal_align) {
+  return causal_align == "bottom-right" ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
+}
+
 double attention_flops(const BenchConfig& c) {
   const double L = static_cast<double>(c.seq), S = static_cast<double>(c.seq_kv_or_default());
   double pairs = L * S;
   if (c.causal) {
     if (c.seq == c.seq_kv_or_default()) {
       pairs = L * S / 2.0;  // FlashAttention's convention
-    } else {
+    } else if (alignment_of(c.causal_align) == CausalAlignment::kTopLeft) {
       // Top-left alignment: query i sees keys 0..min(i, S-1), i.e. min(i + 1, S) of them.
       const double full = std::max(0.0, L - S);  // queries i >= S see every key
       const double partial = L - full;           // queries i < S see i + 1 keys
       pairs = full * S + partial * (partial + 1.0) / 2.0;
+    } else {
+      // Bottom-right: query i sees keys j <= i + S - L, i.e. clamp(i + 1 + S - L, 0, S) of them:
+      // the last min(L, S) queries see 1 + max(S - L, 0) ... S keys, the others none.
+      const double seeing = std::min(L, S);
+      pairs = seeing * (S - seeing) + seeing * (seeing + 1.0) / 2.0;
     }
   }
   const double forward = 4.0 * static_cast<double>(c.batch) * static_cast<double>(c.heads) *
                          pairs * static_cast<double>(c.dim);
   return c.backward ? 2.5 * forward : forward;
+}
+
+int64_t kv_bytes(const BenchConfig& c) {
+  return c.batch * c.kv_heads_or_default() * c.seq_kv_or_default() * (c.dim + c.dim) *
+         dtype_size(dtype_of(c.kv_dtype_or_default()));
+}
+
+KvCopies kv_copies(int64_t copy_bytes, int64_t llc_bytes, int64_t available_bytes) {
+  const int64_t llc = llc_bytes > 0 ? llc_bytes : int64_t{512} << 20;
+  copy_bytes = std::max<int64_t>(copy_bytes, 1);
+  KvCopies k;
+  if (copy_bytes >= 2 * llc) return k;  // one copy already flushes the cache
+  k.wanted = std::max<int64_t>((2 * llc + copy_bytes - 1) / copy_bytes + 1, 2);
+  k.count = k.wanted;
+  if (available_bytes > 0) k.count = std::clamp<int64_t>(available_bytes / 2 / copy_bytes, 1, k.wanted);
+  return k;
 }
 
 double median(std::vector<double> values) {
@@ -162,19 +258,29 @@ BenchResult run_bench(const BenchConfig& c) {
 
   Generator gen(0);  // the same inputs on every run
   const int64_t kv_heads = c.kv_heads_or_default(), seq_kv = c.seq_kv_or_default();
-  const DType dtype = dtype_of(c.dtype);
+  const DType dtype = dtype_of(c.dtype), kv_dtype = dtype_of(c.kv_dtype_or_default());
   const Tensor q = randn({c.batch, c.heads, c.seq, c.dim}, gen).to(dtype);
-  const Tensor k = randn({c.batch, kv_heads, seq_kv, c.dim}, gen).to(dtype);
-  const Tensor v = randn({c.batch, kv_heads, seq_kv, c.dim}, gen).to(dtype);
+  // Decode mode reads K/V from copies[i % copies.size()] on call i (see the top of bench.hpp).
+  std::vector<Tensor> ks, vs;
+  ks.push_back(randn({c.batch, kv_heads, seq_kv, c.dim}, gen).to(kv_dtype));
+  vs.push_back(randn({c.batch, kv_heads, seq_kv, c.dim}, gen).to(kv_dtype));
 
   SdpaOptions options;
   options.is_causal = c.causal;
+  options.causal_alignment = alignment_of(c.causal_align);
   options.enable_gqa = kv_heads != c.heads;
   options.backend = backend_of(c.impl);
   options.kernel = c.kernel;
   options.num_threads = threads;
-  // Which kernel the timed calls run; throws (before any timing) as the call would.
-  r.kernel = sdpa_kernel_name(q, k, v, options);
+  // Which kernel the timed calls run; throws (before any timing) as the call would. K/V in another
+  // dtype than q is the flags' choice: the library refusing it is a usage error.
+  try {
+    r.kernel = sdpa_kernel_name(q, ks.front(), vs.front(), options);
+  } catch (const Error& e) {
+    if (kv_dtype == dtype) throw;
+    throw UsageError(fmt::format("--kv-dtype {} with --dtype {}: {}", c.kv_dtype_or_default(),
+                                 c.dtype, one_line(e.what())));
+  }
   r.cpu = cpu_description();
   // The roof is the peak of the unit the kernel's products run on, measured now, on as many
   // threads: the BF16 dot unit for the native bf16 kernel, the FMA unit for every float32
@@ -185,25 +291,52 @@ BenchResult run_bench(const BenchConfig& c) {
   if (!peak) peak = measure_fma_peak(threads);
   r.peak_gflops = peak->gflops;
   r.simd = peak->isa;
+  if (c.decode()) {
+    // The probe's array is freed before the copies are made: the two never add up.
+    DecodeResult d;
+    d.bandwidth = measure_read_bandwidth(threads);
+    d.kv_bytes = kv_bytes(c);
+    d.copies = kv_copies(d.kv_bytes, last_level_cache_bytes(), available_memory_bytes());
+    for (int64_t i = 1; i < d.copies.count; ++i) {
+      const int64_t shift = i * 4099;  // elements; a prime, so no copy repeats another's pages
+      ks.push_back(rotated_copy(ks.front(), shift));
+      vs.push_back(rotated_copy(vs.front(), shift));
+    }
+    r.decode = d;
+  }
 
   SdpaResult saved;
   Tensor dout;
   if (c.backward) {
     options.need_lse = true;
-    saved = scaled_dot_product_attention(q, k, v, options);
+    saved = scaled_dot_product_attention(q, ks.front(), vs.front(), options);
     dout = randn(saved.output.shape(), gen).to(dtype);
   }
-  const auto call = [&] {
-    if (c.backward) return scaled_dot_product_attention_backward(dout, q, k, v, saved, options).grad_query;
-    return scaled_dot_product_attention(q, k, v, options).output;
+  // Call i reads copy i % copies (always copy 0 outside decode mode).
+  const auto call = [&](size_t i) {
+    if (c.backward) return scaled_dot_product_attention_backward(dout, q, ks.front(), vs.front(), saved, options)
+          .grad_query;
+    return scaled_dot_product_attention(q, ks[i % ks.size()], vs[i % vs.size()], options).output;
   };
-  for (int i = 0; i < c.warmup; ++i) call();
-  r.times_ms.reserve(static_cast<size_t>(c.repeats));
-  for (int i = 0; i < c.repeats; ++i) {
+  const auto timed = [&](size_t i) {
     const auto start = Clock::now();
-    const Tensor out = call();
+    const Tensor out = call(i);
     const auto stop = Clock::now();  // `out` is freed after the clock stops
-    r.times_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+    return std::chrono::duration<double, std::milli>(stop - start).count();
+  };
+  size_t calls = 0;
+  for (int i = 0; i < c.warmup; ++i) call(calls++);
+  r.times_ms.reserve(static_cast<size_t>(c.repeats));
+  for (int i = 0; i < c.repeats; ++i) r.times_ms.push_back(timed(calls++));
+  if (r.decode) {
+    DecodeResult& d = *r.decode;
+    call(0);  // copy 0 into the cache, then every call reads it
+    for (int i = 0; i < c.repeats; ++i) d.warm_times_ms.push_back(timed(0));
+    d.warm_median_ms = median(d.warm_times_ms);
+    const double bytes = static_cast<double>(d.kv_bytes);
+    d.kv_gbps = bytes / (median(r.times_ms) * 1e-3) * 1e-9;
+    d.warm_kv_gbps = bytes / (d.warm_median_ms * 1e-3) * 1e-9;
+    d.bandwidth_ratio = d.bandwidth.gbps > 0.0 ? d.kv_gbps / d.bandwidth.gbps : 0.0;
   }
   r.median_ms = median(r.times_ms);
   r.min_ms = *std::min_element(r.times_ms.begin(), r.times_ms.end());
@@ -214,21 +347,32 @@ BenchResult run_bench(const BenchConfig& c) {
 }
 
 std::string format_json(const BenchConfig& c, const BenchResult& r) {
-  std::string times;
-  for (const double t : r.times_ms) times += (times.empty() ? "" : ", ") + json_number(t, 4);
+  std::string decode;
+  if (r.decode) {
+    const DecodeResult& d = *r.decode;
+    decode = fmt::format(
+        ", \"decode\": {{\"kv_bytes\": {}, \"kv_copies\": {}, \"kv_copies_wanted\": {}, "
+        "\"from_memory\": {}, \"kv_gbps\": {}, \"bandwidth_ratio\": {}, {}, "
+        "\"warm_median_ms\": {}, \"warm_kv_gbps\": {}, \"warm_times_ms\": [{}]}}",
+        d.kv_bytes, d.copies.count, d.copies.wanted, d.copies.from_memory(),
+        json_number(d.kv_gbps, 3), json_number(d.bandwidth_ratio, 5), bandwidth_json(d.bandwidth),
+        json_number(d.warm_median_ms, 4), json_number(d.warm_kv_gbps, 3), json_times(d.warm_times_ms));
+  }
   return fmt::format(
       "{{\"impl\": {}, \"kernel\": {}, \"dtype\": {}, \"unit\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
       "\"seq_kv\": {}, \"dim\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {}, "
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
-      "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}]}}\n",
+      "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}], "
+      "\"kv_dtype\": {}, \"causal_align\": {}{}}}\n",
       json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
       json_number(r.peak_gflops, 3), json_number(r.peak_ratio, 5), json_number(r.max_rss_mib, 1),
       json_string(r.blas_core), json_string(r.blas_config),
       r.openblas_coretype.empty() ? "null" : json_string(r.openblas_coretype), json_string(r.simd),
-      json_string(r.cpu), times);
+      json_string(r.cpu), json_times(r.times_ms), json_string(c.kv_dtype_or_default()),
+      json_string(c.causal_align), decode);
 }
 
 std::string format_table(const BenchConfig& c, const BenchResult& r) {
@@ -238,13 +382,35 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
   };
   row("impl", c.impl);
   row("kernel", r.kernel);
-  row("dtype", c.dtype);
-  row("pass", c.backward ? "backward (FLOPs: 2.5x the forward's)" : "forward");
-  row("shape", shape_text(c) + (c.causal ? ", causal" : ", not causal"));
+  row("dtype", dtype_text(c));
+  row("pass", c.backward  ? "backward (FLOPs: 2.5x the forward's)"
+              : r.decode ? fmt::format("forward, decode (L <= {}: bound by memory bandwidth)", kDecodeMaxSeq)
+                         : std::string("forward"));
+  row("shape", shape_text(c) + causal_text(c));
   row("threads", fmt::format("{}", c.threads_or_default()));
   row("repeats", fmt::format("{} (after {} warmup)", c.repeats, c.warmup));
+  if (r.decode) {
+    const DecodeResult& d = *r.decode;
+    row("K/V read", fmt::format("{} per call (B*Hkv*S*(E+Ev)*{} bytes)", mib_text(d.kv_bytes),
+                                dtype_size(dtype_of(c.kv_dtype_or_default()))));
+    row("K/V copies", fmt::format("{}, {} in all, rotated call by call{}", d.copies.count,
+                                  mib_text(d.copies.count * d.kv_bytes),
+                                  d.copies.from_memory()
+                                      ? " (K/V come from memory)"
+                                      : fmt::format(" (WARNING: {} wanted to flush the LLC, capped "
+                                                    "by free memory: partly from the cache)",
+                                                    d.copies.wanted)));
+  }
   row("median", fmt::format("{:.3f} ms", r.median_ms));
   row("min", fmt::format("{:.3f} ms", r.min_ms));
+  if (r.decode) {
+    const DecodeResult& d = *r.decode;
+    row("K/V GB/s", fmt::format("{:.2f} GB/s (K/V bytes / median time)", d.kv_gbps));
+    row("bandwidth", bandwidth_text(d.bandwidth));
+    row("of bandwidth", fmt::format("{:.1f} %", 100.0 * d.bandwidth_ratio));
+    row("warm", fmt::format("{:.3f} ms median, {:.2f} GB/s (copy 0 on every call: K/V partly "
+                            "from the cache)", d.warm_median_ms, d.warm_kv_gbps));
+  }
   row("throughput", fmt::format("{:.2f} GFLOP/s", r.gflops));
   row(r.unit == "fma" ? "FMA peak" : "BF16 peak", fmt::format("{:.2f} GFLOP/s ({})", r.peak_gflops, r.simd));
   row("of peak", fmt::format("{:.1f} %", 100.0 * r.peak_ratio));
@@ -278,22 +444,29 @@ int run_bench_command(const BenchConfig& c, std::ostream& out, std::ostream& err
     omp_set_num_threads(threads);
     const PeakResult p = measure_fma_peak(threads);
     const std::optional<PeakResult> bf16 = measure_bf16_dot_peak(threads);
+    const BandwidthResult b = measure_read_bandwidth(threads);
     if (c.json) {
       out << fmt::format("{{\"threads\": {}, \"peak_gflops\": {}, \"simd\": {}, \"lanes\": {}, "
-                         "\"bf16_dot_peak_gflops\": {}}}\n",
+                         "\"bf16_dot_peak_gflops\": {}, {}}}\n",
                          p.threads, json_number(p.gflops, 3), json_string(p.isa), p.lanes,
-                         bf16 ? json_number(bf16->gflops, 3) : "null");
+                         bf16 ? json_number(bf16->gflops, 3) : "null", bandwidth_json(b));
     } else {
       out << fmt::format("{:<12} {:.2f} GFLOP/s\n{:<12} {} ({} float lanes)\n{:<12} {}\n",
                          "FMA peak", p.gflops, "ISA", p.isa, p.lanes, "threads", p.threads);
       out << fmt::format("{:<12} {}\n", "BF16 peak",
                          bf16 ? fmt::format("{:.2f} GFLOP/s (vdpbf16ps)", bf16->gflops)
                               : std::string("none (no AVX512-BF16)"));
+      out << fmt::format("{:<12} {}\n", "bandwidth", bandwidth_text(b));
     }
     return 0;
   }
-  const BenchResult r = run_bench(c);
-  out << (c.json ? format_json(c, r) : format_table(c, r));
+  try {
+    const BenchResult r = run_bench(c);
+    out << (c.json ? format_json(c, r) : format_table(c, r));
+  } catch (const UsageError& e) {
+    err << "attn bench: " << e.what() << "\n";
+    return 2;
+  }
   return 0;
 }
 

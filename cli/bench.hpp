@@ -6,17 +6,30 @@
 // exact number of (query, key) pairs the top-left mask keeps, which is L * S / 2 for L == S.
 // With --backward the timed call is scaled_dot_product_attention_backward (after one untimed
 // forward that saves the output and LSE) and the count is 2.5x the forward's (five matmuls).
+//
+// Decode mode (a forward with L <= kDecodeMaxSeq, one to a few new tokens against S cached keys):
+// the call is bound by memory bandwidth, not by the FMA units, so the report is the K/V bytes read
+// per second, B * Hkv * S * (E + Ev) * sizeof(kv dtype) per call (every distinct kv head counted
+// once, also under GQA), against the read bandwidth measured in the same run (bandwidth.hpp). The
+// timed calls rotate among enough copies of K and V that each call reads them from memory, not
+// from the last-level cache (kv_copies()); a "warm" figure, the same copy on every call, is
+// measured beside it.
 #pragma once
 
 #include <cstdint>
 #include <iosfwd>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "attn/sdpa.hpp"
+#include "bandwidth.hpp"
 
 namespace attn::bench {
+
+// Query lengths up to this are timed as decoding (see the top of this file).
+constexpr int64_t kDecodeMaxSeq = 16;
 
 struct BenchConfig {
   int64_t batch = 1;
@@ -26,19 +39,29 @@ struct BenchConfig {
   std::optional<int64_t> seq_kv;    // default: seq
   int64_t dim = 64;
   bool causal = false;
+  std::string causal_align = "top-left";  // top-left | bottom-right (CausalAlignment)
   std::optional<int> threads;       // default: every core OpenMP sees
   int repeats = 10;
   int warmup = 2;
   std::string impl = "auto";        // fused | reference | auto: the kernel family
   std::string kernel;               // a registered kernel forced by name ("" = the family's best)
-  std::string dtype = "f32";        // f32 | bf16 | f16 | f64: the dtype of q, k, v
+  std::string dtype = "f32";        // f32 | bf16 | f16 | f64: the dtype of q (and k, v)
+  std::optional<std::string> kv_dtype;  // f32 | bf16 | f16: the dtype of k, v (default: dtype)
   bool backward = false;            // time the backward pass
   bool json = false;
   bool peak_only = false;
 
   int64_t kv_heads_or_default() const { return kv_heads.value_or(heads); }
   int64_t seq_kv_or_default() const { return seq_kv.value_or(seq); }
+  std::string kv_dtype_or_default() const { return kv_dtype.value_or(dtype); }
   int threads_or_default() const;
+  bool decode() const { return seq <= kDecodeMaxSeq && !backward; }
+};
+
+// A problem the library found with the flags (e.g. a --kv-dtype no kernel takes yet): reported
+// like an invalid flag, one line and exit code 2, by run_bench_command.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 // The first problem with the flags as one line (without a prefix), or nothing if they are valid.
@@ -46,9 +69,37 @@ std::optional<std::string> validate(const BenchConfig& config);
 
 SdpaBackend backend_of(const std::string& impl);  // impl must be valid
 DType dtype_of(const std::string& dtype);         // dtype must be valid
+CausalAlignment alignment_of(const std::string& causal_align);  // must be valid
 
 // Floating-point operations of one timed call (see the top of this file).
 double attention_flops(const BenchConfig& config);
+
+// K/V bytes one call reads: B * Hkv * S * (E + Ev) * sizeof(kv dtype).
+int64_t kv_bytes(const BenchConfig& config);
+
+// How many copies of K/V the decode timing rotates among, for copies of `copy_bytes` each, a
+// last-level cache of `llc_bytes` (0: unknown, taken as 512 MiB) and `available_bytes` of free
+// memory (0: unknown). Wanted: one copy if it alone is >= 2x the LLC, else
+// ceil(2 * LLC / copy) + 1 (at least 2), so that a copy is evicted before it is read again. The
+// copies may use at most half the available memory: `count` is then smaller than `wanted`.
+struct KvCopies {
+  int64_t count = 1;
+  int64_t wanted = 1;
+  bool from_memory() const { return count >= wanted; }
+};
+KvCopies kv_copies(int64_t copy_bytes, int64_t llc_bytes, int64_t available_bytes);
+
+// What decode mode measures besides the common fields.
+struct DecodeResult {
+  int64_t kv_bytes = 0;          // per call (kv_bytes())
+  KvCopies copies;
+  double kv_gbps = 0.0;          // kv_bytes / median time of the rotating runs, 1e9 bytes/s
+  double bandwidth_ratio = 0.0;  // kv_gbps / bandwidth.gbps
+  BandwidthResult bandwidth;     // the read probe, same run, same threads
+  std::vector<double> warm_times_ms;  // the same copy on every call
+  double warm_median_ms = 0.0;
+  double warm_kv_gbps = 0.0;
+};
 
 struct BenchResult {
   std::vector<double> times_ms;  // every timed run, in order
@@ -65,16 +116,20 @@ struct BenchResult {
   std::string unit;              // the unit whose peak is the roof: "fma" or "bf16-dot"
   std::string kernel;            // the SDPA kernel that ran (attn::sdpa_kernel_name)
   std::string cpu;               // attn::cpu_description(): model and detected features
+  std::optional<DecodeResult> decode;  // config.decode() only
 };
 
 // Sets the OpenMP and OpenBLAS thread counts, measures the peak, then times the call: `warmup`
-// untimed runs followed by `repeats` timed ones. attn::Error propagates.
+// untimed runs followed by `repeats` timed ones (decode mode: rotating among the K/V copies, then
+// `repeats` warm ones after one untimed). attn::Error propagates, except that the library
+// rejecting a --kv-dtype different from --dtype throws UsageError.
 BenchResult run_bench(const BenchConfig& config);
 
 std::string format_json(const BenchConfig& config, const BenchResult& result);
 std::string format_table(const BenchConfig& config, const BenchResult& result);
 
-// The whole subcommand for parsed flags: 0 on success, 2 (one line on `err`) for invalid flags.
+// The whole subcommand for parsed flags: 0 on success, 2 (one line on `err`) for invalid flags
+// and UsageError.
 // attn::Error from the library propagates to the caller.
 int run_bench_command(const BenchConfig& config, std::ostream& out, std::ostream& err);
 

@@ -57,8 +57,9 @@ int run(int argc, char** argv) {
       "attn: attention mechanisms of transformer language models, with PyTorch's numbers.\n"
       "Run `attn demo` to walk through chapter 3 of \"Build a Large Language Model (From\n"
       "Scratch)\": every tensor printed is the one PyTorch prints for the same code and seed.\n"
-      "Run `attn bench` to time the attention kernels against the machine's FMA peak\n"
-      "(`attn kernels` lists them and whether this CPU runs each).\n"
+      "Run `attn bench` to time the attention kernels against the machine's FMA peak, or when\n"
+      "decoding (L <= 16) against its memory bandwidth (`attn kernels` lists the kernels and\n"
+      "whether this CPU runs each).\n"
       "Run `attn train` to train a tiny GPT on a task that needs attention, then `attn generate`\n"
       "and `attn heatmap` to decode with a paged KV cache and to see where its heads look\n"
       "(`attn eval` measures what a bf16 or int8 KV cache changes in its predictions)."};
@@ -83,11 +84,18 @@ int run(int argc, char** argv) {
   attn::bench::BenchConfig bench_config;
   int64_t kv_heads = 0, seq_kv = 0;
   int threads = 0;
+  std::string kv_dtype;
   CLI::App* bench = app.add_subcommand(
       "bench",
       "Time scaled_dot_product_attention on random q (B, H, L, E) and k, v (B, Hkv, S, E):\n"
       "median and min of the timed runs, GFLOP/s (4*B*H*L*S*E, halved when causal), the FMA\n"
-      "peak measured in the same run on the same threads, peak RSS and the BLAS core.");
+      "peak measured in the same run on the same threads, peak RSS and the BLAS core.\n"
+      "Decode mode, L <= 16 (forward): the K/V bytes read per second (B*Hkv*S*(E+Ev) elements\n"
+      "per call: each kv head once, also under GQA) against the read bandwidth measured in the\n"
+      "same run (STREAM-like sum over an array of 4x the last-level cache) and their ratio; the\n"
+      "timed calls rotate among enough copies of K/V (2x the last-level cache and more) that K/V\n"
+      "come from memory, and a warm figure (one copy every call) is shown beside it.\n"
+      "Decoding several new tokens: --seq 16 --seq-kv 8192 --causal --causal-align bottom-right.");
   bench->add_option("--batch", bench_config.batch, "Batch size B")->capture_default_str();
   bench->add_option("--heads", bench_config.heads, "Query heads H")->capture_default_str();
   CLI::Option* kv_heads_opt =
@@ -95,7 +103,13 @@ int run(int argc, char** argv) {
   bench->add_option("--seq", bench_config.seq, "Query length L")->capture_default_str();
   CLI::Option* seq_kv_opt = bench->add_option("--seq-kv", seq_kv, "Key/value length S (default: L)");
   bench->add_option("--dim", bench_config.dim, "Head dimension E")->capture_default_str();
-  bench->add_flag("--causal", bench_config.causal, "Causal mask (top-left, as PyTorch's is_causal)");
+  bench->add_flag("--causal", bench_config.causal,
+                  "Causal mask (top-left, as PyTorch's is_causal, unless --causal-align)");
+  bench->add_option("--causal-align", bench_config.causal_align,
+                    "Where the causal diagonal sits when L != S: top-left (PyTorch's is_causal) or "
+                    "bottom-right (decoding with a KV cache: the last query sees every key; "
+                    "needs --causal)")
+      ->capture_default_str();
   CLI::Option* threads_opt = bench->add_option(
       "--threads", threads, "OpenMP and OpenBLAS threads (default: every core)");
   bench->add_option("--repeats", bench_config.repeats, "Timed runs")->capture_default_str();
@@ -111,12 +125,18 @@ int run(int argc, char** argv) {
                     "kernel `attn kernels` shows kAuto choosing: native bf16 where this CPU's "
                     "dot unit pays, else widened on a float32 kernel)")
       ->capture_default_str();
+  CLI::Option* kv_dtype_opt = bench->add_option(
+      "--kv-dtype", kv_dtype,
+      "Element type of k, v: f32, bf16 or f16 (default: --dtype). Another dtype than q's (e.g. "
+      "f32 queries against a bf16 cache) needs a kernel that takes it; if none does, the "
+      "library's reason is a usage error");
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
                   "the forward's, as FlashAttention does");
   bench->add_flag("--json", bench_config.json, "Print one JSON object instead of the table");
   bench->add_flag("--peak-only", bench_config.peak_only,
-                  "Only measure the FMA peak on --threads threads");
+                  "Only measure the FMA (and BF16 dot) peak and the memory read bandwidth on "
+                  "--threads threads");
 
   CLI::App* kernels = app.add_subcommand(
       "kernels", "List the SDPA kernels, their dtypes and whether they run on this CPU (and why not)");
@@ -146,6 +166,7 @@ int run(int argc, char** argv) {
       if (kv_heads_opt->count() > 0) bench_config.kv_heads = kv_heads;
       if (seq_kv_opt->count() > 0) bench_config.seq_kv = seq_kv;
       if (threads_opt->count() > 0) bench_config.threads = threads;
+      if (kv_dtype_opt->count() > 0) bench_config.kv_dtype = kv_dtype;
       return attn::bench::run_bench_command(bench_config, std::cout, std::cerr);
     }
   } catch (const attn::Error& e) {

@@ -25,6 +25,18 @@ also tells whether another process had the cores: such a run is retried once, th
 --dtypes runs each configuration with q, k, v in each dtype (`attn bench --dtype`, and PyTorch's
 tensors converted to torch.bfloat16 / torch.float16); the reference runs in float32 only.
 
+    scripts/bench_suite.py --decode   # decoding shapes (issue 14) -> the "Decode" section of
+                                      # docs/PERFORMANCE.md (the rest of the file is kept)
+
+--decode times one new token (L=1, and one 16-token row, causal bottom-right) against S cached keys:
+B in {1, 8}, H_q=32, H_kv in {8, 32}, E in {128, 64}, S in {1024, 8192, 32768}, K/V in each of
+--dtypes (default f32,bf16,f16; q in float32, or in the K/V dtype where attn takes no mixed call),
+2 threads unless --threads. `attn bench` reports GB/s of K/V read (B*H_kv*S*2E*sizeof, each kv head
+once) against the read bandwidth its probe measures in the same run; PyTorch's SDPA (enable_gqa,
+bottom-right causal as an explicit boolean mask, q in the K/V dtype as it takes no mixed dtypes)
+rotates among as many K/V copies as attn so both read K/V from memory. Shapes whose K/V copy
+exceeds --decode-max-gib (6) are skipped and listed. ggml's figures: scripts/bench_ggml.sh.
+
 Exit status: 0 if every run succeeded, 1 if some run failed (the table marks it and still gets
 written), 2 for usage errors or a missing attn binary.
 """
@@ -81,6 +93,9 @@ def torch_worker(spec: dict) -> None:
     import torch.nn.functional as F
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("decode"):
+        print(json.dumps(torch_decode(torch, F, spec)))
+        return
     gen = torch.Generator().manual_seed(0)
     b, h, hkv, l, s, e = (spec[k] for k in ("batch", "heads", "kv_heads", "seq", "seq_kv", "dim"))
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[spec.get("dtype", "f32")]
@@ -117,6 +132,62 @@ def torch_worker(spec: dict) -> None:
         "torch_version": torch.__version__,
         "times_ms": times,
     }))
+
+
+def torch_decode(torch, F, spec: dict) -> dict:
+    """A decode configuration in PyTorch, timed as `attn bench` times it: calls rotating among
+    spec["copies"] copies of K/V (each rolled, so no two share a page's contents), then warm calls
+    on copy 0. q is in the K/V dtype (torch's SDPA takes no mixed dtypes)."""
+    import resource
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, hkv, l, s, e = (spec[k] for k in ("batch", "heads", "kv_heads", "seq", "seq_kv", "dim"))
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[spec["kv_dtype"]]
+    q = torch.randn((b, h, l, e), generator=gen).to(dtype)
+    ks = [torch.randn((b, hkv, s, e), generator=gen).to(dtype)]
+    vs = [torch.randn((b, hkv, s, e), generator=gen).to(dtype)]
+    for i in range(1, spec["copies"]):
+        ks.append(torch.roll(ks[0].flatten(), i * 4099).view(ks[0].shape))
+        vs.append(torch.roll(vs[0].flatten(), i * 4099).view(vs[0].shape))
+    kwargs = {}
+    if hkv != h:
+        kwargs["enable_gqa"] = True
+    if spec["causal"]:
+        if spec.get("causal_align") == "bottom-right":
+            # query i sees keys j <= i + S - L (torch.nn.attention.bias.causal_lower_right)
+            kwargs["attn_mask"] = torch.ones((l, s), dtype=torch.bool).tril(diagonal=s - l)
+        else:
+            kwargs["is_causal"] = True
+
+    def timed(i: int) -> float:
+        start = time.perf_counter()
+        F.scaled_dot_product_attention(q, ks[i % len(ks)], vs[i % len(vs)], **kwargs)
+        return (time.perf_counter() - start) * 1e3
+
+    with torch.inference_mode():
+        calls = 0
+        for _ in range(spec["warmup"]):
+            timed(calls)
+            calls += 1
+        times = []
+        for _ in range(spec["repeats"]):
+            times.append(timed(calls))
+            calls += 1
+        timed(0)
+        warm = [timed(0) for _ in range(spec["repeats"])]
+    kv_bytes = spec["kv_bytes"]
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "kv_gbps": kv_bytes / (statistics.median(times) * 1e-3) * 1e-9,
+        "warm_median_ms": statistics.median(warm),
+        "warm_kv_gbps": kv_bytes / (statistics.median(warm) * 1e-3) * 1e-9,
+        "copies": len(ks),
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "torch_version": torch.__version__,
+        "times_ms": times,
+        "warm_times_ms": warm,
+    }
 
 
 def ensure_torch(venv: Path) -> tuple[Path, str]:
@@ -161,8 +232,12 @@ def run_attn(attn: Path, impl: str, cfg: dict) -> dict:
            "--seq", str(cfg["seq"]), "--seq-kv", str(cfg["seq_kv"]), "--dim", str(cfg["dim"]),
            "--threads", str(cfg["threads"]), "--repeats", str(cfg["repeats"]),
            "--warmup", str(cfg["warmup"]), "--dtype", cfg.get("dtype", "f32")]
+    if "kv_dtype" in cfg:
+        cmd += ["--kv-dtype", cfg["kv_dtype"]]
     if cfg["causal"]:
         cmd.append("--causal")
+        if cfg.get("causal_align", "top-left") != "top-left":
+            cmd += ["--causal-align", cfg["causal_align"]]
     if cfg.get("backward"):
         cmd.append("--backward")
     return run_json(cmd)
@@ -245,6 +320,248 @@ def configurations(quick: bool, threads: list[int], backward: bool = True,
     return [{"batch": BATCH, "heads": HEADS, "kv_heads": HEADS, "seq": l, "seq_kv": l, "dim": e,
              "causal": c, "backward": b, "threads": t, "repeats": r, "warmup": w, "dtype": d}
             for l, e, c, b, r, w in shapes for t in threads for d in dtypes if backward or not b]
+
+
+# ---- decode (issue 14) ---------------------------------------------------------------------------
+
+DECODE_BATCHES = (1, 8)
+DECODE_HEADS = 32
+DECODE_KV_HEADS = (8, 32)
+DECODE_DIMS = (128, 64)
+DECODE_SEQS_KV = (1024, 8192, 32768)
+# The several-new-tokens row: (B, H_kv, E, S, L), causal with bottom-right alignment.
+DECODE_MULTI_QUERY = (1, 8, 128, 8192, 16)
+QUICK_DECODE_SHAPES = ((1, 8, 64, 1024, 1), (1, 8, 64, 1024, 16))
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+MIB = 1 << 20
+
+
+def decode_repeats(kv_bytes: int) -> tuple[int, int]:
+    """(timed repeats, warmup runs): fewer for large caches keeps the suite short."""
+    if kv_bytes <= 64 * MIB:
+        return 20, 3
+    if kv_bytes <= 1024 * MIB:
+        return 10, 2
+    return 5, 1
+
+
+def decode_configurations(quick: bool, threads: list[int], kv_dtypes: tuple[str, ...],
+                          max_gib: float) -> tuple[list[dict], list[str]]:
+    """The decode rows, and a line for each shape skipped because one K/V copy exceeds max_gib.
+    Every row has a "layout" naming the attn run it times (DECODE_RUNNERS)."""
+    if quick:
+        shapes = list(QUICK_DECODE_SHAPES)
+    else:
+        shapes = [(b, hkv, e, s, 1) for b in DECODE_BATCHES for hkv in DECODE_KV_HEADS
+                  for e in DECODE_DIMS for s in DECODE_SEQS_KV]
+        shapes.append(DECODE_MULTI_QUERY)
+    configs, skipped = [], []
+    for b, hkv, e, s, l in shapes:
+        for d in kv_dtypes:
+            kv_bytes = b * hkv * s * 2 * e * DTYPE_BYTES[d]
+            label = f"B={b} H_kv={hkv} E={e} S={s} L={l} {d}"
+            if kv_bytes > max_gib * 1024 * MIB:
+                skipped.append(f"{label}: one K/V copy is {kv_bytes / MIB / 1024:.1f} GiB "
+                               f"(over --decode-max-gib {max_gib:g})")
+                continue
+            repeats, warmup = decode_repeats(kv_bytes)
+            for t in threads:
+                configs.append({
+                    "layout": "contiguous", "decode": True, "batch": b, "heads": DECODE_HEADS,
+                    "kv_heads": hkv, "seq": l, "seq_kv": s, "dim": e, "causal": l > 1,
+                    "causal_align": "bottom-right", "backward": False, "threads": t,
+                    "repeats": repeats, "warmup": warmup, "dtype": "f32", "kv_dtype": d,
+                    "kv_bytes": kv_bytes})
+    return configs, skipped
+
+
+def system_llc_bytes() -> int:
+    """The largest cache sysfs reports for cpu0 (as `attn bench` reads it), 0 if none."""
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            pass
+    return best
+
+
+def kv_copies(copy_bytes: int) -> int:
+    """The number of K/V copies `attn bench` rotates among (cli/bench.hpp, kv_copies), for a
+    PyTorch run whose attn run gave none."""
+    llc = system_llc_bytes() or 512 * MIB
+    if copy_bytes >= 2 * llc:
+        return 1
+    wanted = max(-(-2 * llc // copy_bytes) + 1, 2)
+    try:
+        with open("/proc/meminfo") as f:
+            available = 1024 * int(next(l for l in f if l.startswith("MemAvailable")).split()[1])
+        return max(1, min(wanted, available // 2 // copy_bytes))
+    except (OSError, StopIteration, ValueError):
+        return wanted
+
+
+# The attn run of a decode row, by layout. A paged-cache row would add its own entry (and set
+# "layout" in decode_configurations); the table and the PyTorch comparison take any layout.
+DECODE_RUNNERS = {
+    "contiguous": lambda attn, cfg: run_attn(attn, "auto", cfg),
+}
+
+
+def run_decode_row(attn: Path, python: Path | None, guard: "BusyGuard", cfg: dict) -> dict:
+    runner = DECODE_RUNNERS[cfg["layout"]]
+    fused = guard.run("attn", cfg, lambda: runner(attn, cfg), lambda r: r)
+    if "error" in fused and "--kv-dtype" in fused["error"] and cfg["dtype"] != cfg["kv_dtype"]:
+        # No kernel takes float32 queries against this K/V dtype yet: q in the K/V dtype.
+        log(f"  attn: {fused['error']}; q in {cfg['kv_dtype']} instead")
+        cfg = {**cfg, "dtype": cfg["kv_dtype"]}
+        fused = guard.run("attn", cfg, lambda: runner(attn, cfg), lambda r: r)
+    row = {"config": cfg, "fused": fused}
+    if python is not None:
+        spec = {**cfg, "copies": fused.get("decode", {}).get("kv_copies") or kv_copies(cfg["kv_bytes"])}
+
+        def torch_run():
+            peak = run_peak(attn, cfg["threads"])
+            return {**run_torch(python, spec), "peak": peak}
+        row["torch"] = guard.run("torch", cfg, torch_run, lambda r: r["peak"])
+    return row
+
+
+def mark_low_bandwidth(rows: list[dict], peaks: dict) -> dict:
+    """Marks busy the runs whose own bandwidth probe (attn's, in the run; torch's, just before it)
+    read below BUSY_PEAK_FRACTION of the best seen for its thread count (another process was using
+    the memory bus); returns the best bandwidth per thread count."""
+    best = {}
+    def probe(impl: str, r: dict) -> float | None:
+        src = r.get("decode", {}) if impl == "fused" else r.get("peak", {})
+        return src.get("bandwidth_gbps")
+    for t, p in peaks.items():
+        if "error" not in p and p.get("bandwidth_gbps"):
+            best[t] = max(best.get(t, 0.0), p["bandwidth_gbps"])
+    for row in rows:
+        for impl in ("fused", "torch"):
+            r = row.get(impl)
+            if r and "error" not in r and probe(impl, r):
+                t = row["config"]["threads"]
+                best[t] = max(best.get(t, 0.0), probe(impl, r))
+    for row in rows:
+        for impl in ("fused", "torch"):
+            r = row.get(impl)
+            if r and "error" not in r and probe(impl, r):
+                if probe(impl, r) < BUSY_PEAK_FRACTION * best[row["config"]["threads"]]:
+                    r["busy"] = True
+    return best
+
+
+def gbps(r: dict | None, key: str = "kv_gbps") -> str:
+    if not r or "error" in r:
+        return "n/a"
+    value = r.get("decode", r).get(key)
+    return "n/a" if value is None else f"{value:.2f}" + (" *" if r.get("busy") else "")
+
+
+def decode_table(rows: list[dict]) -> str:
+    layouts = len({r["config"]["layout"] for r in rows}) > 1
+    header = (["layout"] if layouts else []) + [
+        "B", "H_q/H_kv", "E", "S", "L", "threads", "K/V", "q", "K/V MiB", "copies", "kernel",
+        "attn ms", "attn GB/s", "bandwidth GB/s", "% of bandwidth", "attn warm GB/s", "torch ms",
+        "torch GB/s", "attn / torch"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    for row in rows:
+        cfg, fused, torch = row["config"], row["fused"], row.get("torch")
+        ok = "error" not in fused
+        d = fused.get("decode", {}) if ok else {}
+        copies = str(d.get("kv_copies", "n/a"))
+        if d and not d.get("from_memory", True):
+            copies += f" (of {d['kv_copies_wanted']})"
+        cells = ([cfg["layout"]] if layouts else []) + [
+            cfg["batch"], f"{cfg['heads']}/{cfg['kv_heads']}", cfg["dim"], cfg["seq_kv"],
+            f"{cfg['seq']}" + (" causal (bottom-right)" if cfg["causal"] else ""), cfg["threads"],
+            cfg["kv_dtype"], cfg["dtype"], f"{cfg['kv_bytes'] / MIB:.0f}", copies,
+            fused.get("kernel", "n/a") if ok else "n/a", ms(fused), gbps(fused),
+            f"{d['bandwidth_gbps']:.1f}" if d else "n/a",
+            f"{100 * d['bandwidth_ratio']:.1f}" if d else "n/a",
+            gbps(fused, "warm_kv_gbps"),
+            ms(torch) if torch is not None else "skipped",
+            gbps(torch) if torch is not None else "skipped",
+            ratio(torch, fused)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+DECODE_BEGIN = "<!-- decode: written by scripts/bench_suite.py --decode, kept by the other modes -->"
+DECODE_END = "<!-- end of decode -->"
+
+
+def render_decode(args, rows, skipped, bandwidth, torch_version, machine, started, elapsed_s,
+                  command) -> str:
+    llc = system_llc_bytes()
+    bw = ", ".join(f"{v:.1f} GB/s on {t} thread{'s' if t > 1 else ''}"
+                   for t, v in sorted(bandwidth.items())) or "n/a"
+    out = [
+        DECODE_BEGIN,
+        "## Decode (memory-bound)",
+        "",
+        "Generated by `scripts/bench_suite.py --decode`"
+        + (" in quick mode (a few small shapes)" if args.quick else "")
+        + "; do not edit by hand, run the script again.",
+        "",
+        f"- date: {started:%Y-%m-%d %H:%M} UTC (took {elapsed_s / 60:.1f} min); command: `{command}`",
+        f"- attn: commit {git_revision()}; PyTorch: {torch_version or 'not run (--no-torch)'}",
+        f"- machine: {machine['model']}, {machine.get('cores') or machine.get('cpus')} cores, "
+        f"last-level cache {llc / MIB:.0f} MiB, {machine.get('memory_gib', 0):.1f} GiB; "
+        f"memory read bandwidth (best probe of the run): {bw}",
+        "",
+        "Method:",
+        "",
+        "- One new token (L=1), or L=16 new tokens causal with bottom-right alignment (the last "
+        "query sees every key), against S cached keys: q (B, H_q, L, E), k and v (B, H_kv, S, E), "
+        "random normal drawn in float32 and rounded to the K/V dtype. q is float32 (the decode "
+        "kernel's mixed call); where no attn kernel takes it, q is in the K/V dtype (column q). "
+        "PyTorch takes no mixed dtypes: its q is always in the K/V dtype.",
+        "- GB/s = K/V bytes per call / median time, the bytes counted once per kv head "
+        "(B·H_kv·S·2E·sizeof): under GQA a kernel that re-reads K/V for every query head gets no "
+        "credit for it.",
+        "- K/V from memory: the timed calls rotate call by call among `copies` copies of K/V "
+        "(ceil(2·LLC / copy) + 1, at least 2, or one copy when it alone is ≥ 2·LLC; each copy's "
+        "bytes rotated so no two share a page), for attn and PyTorch alike; `attn warm` reads "
+        "the same copy on every call (partly from the cache).",
+        "- bandwidth: `attn bench`'s read probe in the same run, same threads (STREAM-like vector "
+        "sum over an array of 4× the LLC, median of 7 passes; `attn bench --peak-only`); % of "
+        "bandwidth = attn GB/s / that. attn / torch = torch ms / attn ms: above 1x attn is faster.",
+        "- ggml (`test-backend-ops perf -o FLASH_ATTN_EXT`, and a rotating-copies program for the "
+        "shapes it lacks): `scripts/bench_ggml.sh`, not in this table.",
+        "",
+        decode_table(rows),
+    ]
+    if any(r.get(i, {}).get("busy") for r in rows for i in ("fused", "torch")):
+        out += ["", f"\\* The bandwidth probe of this run (or the FMA peak) read below "
+                f"{BUSY_PEAK_FRACTION:.0%} of the best of the suite: another process was using the "
+                "machine, so the figure is unreliable."]
+    if skipped:
+        out += ["", "Skipped (`--decode-max-gib`):", ""] + [f"- {s}" for s in skipped]
+    failed = failures(rows)
+    if failed:
+        out += ["", "Failed runs (n/a above):", ""] + [f"- {f}" for f in failed]
+    return "\n".join(out + [DECODE_END]) + "\n"
+
+
+def decode_section(text: str) -> str | None:
+    """The decode section of a PERFORMANCE.md, markers included, or None."""
+    start, end = text.find(DECODE_BEGIN), text.find(DECODE_END)
+    if start < 0 or end < start:
+        return None
+    return text[start:end + len(DECODE_END)] + "\n"
+
+
+def splice_decode(text: str, section: str) -> str:
+    """text with its decode section replaced by `section` (appended if it has none)."""
+    old = decode_section(text)
+    if old is not None:
+        return text.replace(old, section)
+    return text.rstrip("\n") + ("\n\n" if text.strip() else "") + section
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -349,7 +666,11 @@ def failures(rows: list[dict]) -> list[str]:
         cfg = row["config"]
         for impl in ("fused", "reference", "torch"):
             r = row.get(impl)
-            if r is not None and "error" in r:
+            if r is not None and "error" in r and cfg.get("decode"):
+                out.append(f"{cfg['layout']} B={cfg['batch']} H_kv={cfg['kv_heads']} "
+                           f"S={cfg['seq_kv']} L={cfg['seq']} E={cfg['dim']} K/V {cfg['kv_dtype']} "
+                           f"threads={cfg['threads']}, {impl}: {r['error']}")
+            elif r is not None and "error" in r:
                 out.append(f"L={cfg['seq']} E={cfg['dim']} causal={cfg['causal']} "
                            f"backward={cfg.get('backward', False)} "
                            f"threads={cfg['threads']}, {impl}: {r['error']}")
@@ -463,7 +784,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few small shapes (smoke test)")
     parser.add_argument("--attn", type=Path, default=ROOT / "build" / "attn",
                         help="the attn binary (default: build/attn; scripts/build.sh builds it)")
-    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--threads", default=None,
+                        help="comma-separated thread counts (default 1,2; --decode: 2)")
     parser.add_argument("--reference-max-seq", type=int, default=4096,
                         help="run the reference only up to this L (default 4096)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch")
@@ -471,8 +793,14 @@ def main() -> int:
     parser.add_argument("--standard", action="store_true",
                         help="the standard shapes only: L in {1024, 4096}, E in {64, 128}, "
                              "causal and not, forward and backward")
-    parser.add_argument("--dtypes", default="f32",
-                        help="comma-separated dtypes of q, k, v: f32, bf16, f16 (default f32)")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated dtypes of q, k, v: f32, bf16, f16 (default f32); "
+                             "--decode: of k, v (default f32,bf16,f16)")
+    parser.add_argument("--decode", action="store_true",
+                        help="the decoding shapes of issue 14 (L <= 16, GB/s of K/V read) into "
+                             "the Decode section of the report")
+    parser.add_argument("--decode-max-gib", type=float, default=6.0,
+                        help="--decode: skip shapes whose K/V copy exceeds this (default 6)")
     parser.add_argument("--venv", type=Path, default=ROOT / ".cache" / "bench-venv",
                         help="virtual environment for torch (created on first use)")
     parser.add_argument("--output", type=Path, default=None,
@@ -488,6 +816,10 @@ def main() -> int:
         return 0
     # On SIGTERM, unwind like Ctrl-C: subprocess.run then ends the run in flight as well.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.threads is None:
+        args.threads = "2" if args.decode else "1,2"
+    if args.dtypes is None:
+        args.dtypes = "f32,bf16,f16" if args.decode else "f32"
     try:
         threads = [int(t) for t in args.threads.split(",")]
         if not threads or min(threads) < 1:
@@ -515,6 +847,9 @@ def main() -> int:
     dtypes = tuple(args.dtypes.split(","))
     if not dtypes or any(d not in ("f32", "bf16", "f16") for d in dtypes):
         parser.error(f"--dtypes must be f32, bf16 or f16 separated by commas, got {args.dtypes!r}")
+    if args.decode:
+        return decode_main(args, output, threads, dtypes, python, torch_version, machine, started,
+                           t0_suite, peaks, guard)
     configs = configurations(args.quick, threads, not args.no_backward, args.standard, dtypes)
     for n, cfg in enumerate(configs, 1):
         def attn_run(impl):
@@ -549,11 +884,46 @@ def main() -> int:
     print(results_table(rows))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(report)
+        kept = decode_section(output.read_text()) if output.is_file() else None
+        output.write_text(report if kept is None else splice_decode(report, kept))
         log(f"bench_suite: wrote {output}")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps({"peaks": peaks, "rows": rows, "torch": torch_version},
                                             indent=1) + "\n")
+    failed = failures(rows)
+    for f in failed:
+        log(f"bench_suite: failed: {f}")
+    return 1 if failed else 0
+
+
+def decode_main(args, output, threads, dtypes, python, torch_version, machine, started, t0_suite,
+                peaks, guard) -> int:
+    configs, skipped = decode_configurations(args.quick, threads, dtypes, args.decode_max_gib)
+    for line in skipped:
+        log(f"bench_suite: skipped {line}")
+    rows = []
+    for n, cfg in enumerate(configs, 1):
+        row = run_decode_row(args.attn, python, guard, cfg)
+        rows.append(row)
+        log(f"[{n}/{len(configs)}] {cfg['layout']} B={cfg['batch']} H={cfg['heads']}/{cfg['kv_heads']} "
+            f"E={cfg['dim']} S={cfg['seq_kv']} L={cfg['seq']} K/V {cfg['kv_dtype']} "
+            f"threads={cfg['threads']}: attn {gbps(row['fused'])} GB/s, torch "
+            f"{gbps(row.get('torch')) if 'torch' in row else 'skipped'} GB/s "
+            f"({time.monotonic() - t0_suite:.0f} s)")
+    guard.mark_again(rows)
+    bandwidth = mark_low_bandwidth(rows, peaks)
+    elapsed = time.monotonic() - t0_suite
+    command = shlex.join(["scripts/bench_suite.py", *sys.argv[1:]])
+    section = render_decode(args, rows, skipped, bandwidth, torch_version, machine, started,
+                            elapsed, command)
+    print(decode_table(rows))
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(splice_decode(output.read_text() if output.is_file() else "", section))
+        log(f"bench_suite: wrote the decode section of {output}")
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps({"peaks": peaks, "rows": rows, "skipped": skipped,
+                                             "torch": torch_version}, indent=1) + "\n")
     failed = failures(rows)
     for f in failed:
         log(f"bench_suite: failed: {f}")
