@@ -17,8 +17,6 @@
 //
 // paged_attention reads the pages in place (no gather copy) through the split-KV decode kernel
 // (src/sdpa/cpu/decode*.cpp), the one scaled_dot_product_attention uses for short queries.
-// (Until that kernel lands, src/sdpa/paged_attention.cpp gathers each sequence's pages and calls
-// scaled_dot_product_attention; the argument checks, in check_paged_attention, stay as they are.)
 //
 // Errors are typed and leave the cache unchanged: every argument of a call is checked before
 // anything is written.
@@ -27,6 +25,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "attn/dtype.hpp"
@@ -127,6 +126,9 @@ struct PagedAttentionOptions {
   bool is_causal = false;
   bool need_lse = false;  // also return the LSE, (N, H_q, L_q) float32 (FlashAttention's layout)
   int num_threads = 0;    // 0: OpenMP's default
+  // A decode kernel by name ("cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic"), or
+  // "" for the best this CPU runs; ValueError for another name or one this CPU cannot run.
+  std::string kernel;
 };
 
 // Attention of N sequences' newest L_q tokens over everything their caches hold:

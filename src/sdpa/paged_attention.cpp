@@ -1,7 +1,7 @@
-// paged_attention (attn/kv_cache.hpp), the simple version: each sequence's keys and values are
-// gathered out of the pages into dense float32 tensors and handed to scaled_dot_product_attention.
-// It fixes the semantics and the errors (check_paged_attention, shared with the decode kernel
-// that will replace this body and read the pages in place, without the gather copy).
+// paged_attention (attn/kv_cache.hpp): the split-KV decode kernel (src/sdpa/cpu/decode.cpp)
+// reading each sequence's pages in place, through its block table: no gather copy, K and V read
+// once per kv head for the whole GQA group. The argument checks (check_paged_attention) come
+// first, so a refused call reads nothing.
 #include "sdpa/paged_attention.hpp"
 
 #include <cmath>
@@ -10,8 +10,12 @@
 #include <numbers>
 #include <vector>
 
+#include <omp.h>
+
 #include "attn/error.hpp"
-#include "attn/functional.hpp"
+#include "sdpa/cpu/decode.hpp"
+#include "sdpa/cpu/flash_inputs.hpp"
+#include "sdpa/registry.hpp"
 
 namespace attn {
 
@@ -79,44 +83,67 @@ PagedAttentionShape check_paged_attention(const TensorView& query, const PagedKv
 
 }  // namespace detail
 
-SdpaResult paged_attention(const TensorView& query, const PagedKvCache& cache,
+SdpaResult paged_attention(const TensorView& query_in, const PagedKvCache& cache,
                            std::span<const int64_t> seq_ids, const PagedAttentionOptions& options) {
-  const detail::PagedAttentionShape s = detail::check_paged_attention(query, cache, seq_ids, options);
+  const detail::PagedAttentionShape s = detail::check_paged_attention(query_in, cache, seq_ids, options);
+  const cpu::DecodeKernel& kernel = detail::select_decode_kernel(options.kernel, "paged_attention");
   SdpaResult result;
-  if (s.N == 0) {
-    result.output = Tensor::empty({0, s.L_q, s.H_q, s.Ev}, query.dtype());
-    if (options.need_lse) result.lse = Tensor::empty({0, s.H_q, s.L_q});
-    return result;
-  }
-  SdpaOptions o;
-  o.scale = s.scale;
-  o.is_causal = options.is_causal;
-  o.causal_alignment = CausalAlignment::kBottomRight;
-  o.enable_gqa = true;
-  o.need_lse = options.need_lse;
-  o.num_threads = options.num_threads;
-  // Gathered K/V are float32 (int8 dequantised): the query follows them, the output goes back to
-  // the query's dtype at the end, as the low-precision SDPA paths round theirs.
-  const Tensor q32 = query.to(DType::kFloat32);
-  std::vector<Tensor> outs, lses;
-  for (int64_t i = 0; i < s.N; ++i) {
-    const int64_t id = seq_ids[static_cast<size_t>(i)];
-    const Tensor k = cache.gather_keys(id), v = cache.gather_values(id);
-    // (L_q, H_q, E) -> (1, H_q, L_q, E), the (B, H, L, E) layout of scaled_dot_product_attention.
-    const TensorView q = q32.select(0, i).transpose(0, 1).unsqueeze(0);
-    SdpaResult r = scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), o);
-    outs.push_back(std::move(r.output));
-    if (options.need_lse) lses.push_back(std::move(r.lse));
-  }
-  // (1, H_q, L_q, Ev) each -> (N, L_q, H_q, Ev)
-  std::vector<TensorView> views;
-  for (const Tensor& t : outs) views.push_back(t.transpose(1, 2));
-  result.output = cat(views, 0);
-  if (query.dtype() != DType::kFloat32) result.output = result.output.to(query.dtype());
+  result.output = Tensor::empty({s.N, s.L_q, s.H_q, s.Ev}, query_in.dtype());
+  if (options.need_lse) result.lse = Tensor::empty({s.N, s.H_q, s.L_q});
+  if (s.N == 0) return result;
+  Tensor qs;
+  const TensorView q = cpu::rows_contiguous(query_in, qs);
+
+  cpu::DecodeCall c;
+  c.N = s.N, c.heads_q = s.H_q, c.heads_kv = cache.heads_kv(), c.L = s.L_q;
+  cpu::DecodeParams& dp = c.params;
+  dp.E = s.E, dp.Ev = s.Ev, dp.Ep = cpu::decode_padded(s.E), dp.Evp = cpu::decode_padded(s.Ev);
+  dp.kv = cpu::kv_type_of(cache.dtype());
+  // The default scale as scaled_dot_product_attention applies it: 1 / float32(sqrt(E)).
+  const double scale = options.scale ? *options.scale
+                                     : 1.0 / static_cast<double>(static_cast<float>(std::sqrt(double(s.E))));
+  dp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  dp.causal = options.is_causal;
+  c.q = q.raw_data();
+  c.q_dtype = q.dtype();
+  c.q_n = q.stride(0), c.q_i = q.stride(1), c.q_h = q.stride(2);
+  c.o = result.output.raw_data();
+  c.o_dtype = q.dtype();
+  c.o_h = s.Ev, c.o_i = s.H_q * s.Ev, c.o_n = s.L_q * s.H_q * s.Ev;
   if (options.need_lse) {
-    const std::vector<TensorView> lse_views(lses.begin(), lses.end());
-    result.lse = cat(lse_views, 0);
+    c.lse = result.lse.data();
+    c.lse_i = 1, c.lse_h = s.L_q, c.lse_n = s.H_q * s.L_q;
   }
+
+  // Pool layout (kv_cache.hpp): pages (num_pages, heads_kv, page_size, dim), scales
+  // (num_pages, heads_kv, page_size).
+  const int64_t P = cache.page_size(), Hkv = cache.heads_kv();
+  const int64_t esize = dtype_size(cache.dtype());
+  const bool int8 = cache.dtype() == DType::kInt8;
+  c.kv.resize(static_cast<size_t>(s.N * Hkv));
+  for (int64_t n = 0; n < s.N; ++n) {
+    const int64_t id = seq_ids[static_cast<size_t>(n)];
+    const std::span<const int64_t> table = cache.block_table(id);
+    const int64_t S = cache.length(id);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      cpu::DecodeKv& kv = c.kv[static_cast<size_t>(n * Hkv + h)];
+      kv.k = static_cast<const char*>(cache.key_pages().raw_data()) + h * P * s.E * esize;
+      kv.v = static_cast<const char*>(cache.value_pages().raw_data()) + h * P * s.Ev * esize;
+      kv.k_page = Hkv * P * s.E, kv.v_page = Hkv * P * s.Ev;
+      kv.k_row = s.E, kv.v_row = s.Ev;
+      if (int8) {
+        kv.k_scale = cache.key_scales().data() + h * P;
+        kv.v_scale = cache.value_scales().data() + h * P;
+        kv.scale_page = Hkv * P;
+      }
+      kv.pages = table.data();
+      kv.page_size = P;
+      kv.S = S;
+      kv.causal_offset = S - s.L_q;
+    }
+  }
+  c.threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  cpu::run_decode(kernel, c);
   return result;
 }
 

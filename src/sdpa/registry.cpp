@@ -227,13 +227,14 @@ const SdpaKernel kKernels[] = {
 #if defined(ATTN_HAVE_X86_KERNELS)
     {"cpu.decode.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 500, decode_why_not, decode_forward<decode_kernel_avx512>,
-     decode_backward<flash_kernel_avx512>, nullptr, true},
+     decode_backward<flash_kernel_avx512>, nullptr, true, decode_kernel_avx512},
     {"cpu.decode.avx2", SdpaBackend::kFused, kAvx2 | kFma | kF16c, kFusedDtypes, 490,
      decode_why_not, decode_forward<decode_kernel_avx2>, decode_backward<flash_kernel_avx2>,
-     nullptr, true},
+     nullptr, true, decode_kernel_avx2},
 #endif
     {"cpu.decode.generic", SdpaBackend::kFused, 0, kFusedDtypes, 480, decode_why_not,
-     decode_forward<decode_kernel_generic>, decode_backward<flash_kernel_generic>, nullptr, true},
+     decode_forward<decode_kernel_generic>, decode_backward<flash_kernel_generic>, nullptr, true,
+     decode_kernel_generic},
 #if defined(ATTN_HAVE_X86_KERNELS)
     {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
@@ -267,6 +268,22 @@ std::string known_names() {
 }  // namespace
 
 std::span<const SdpaKernel> sdpa_registry() { return kKernels; }
+
+const cpu::DecodeKernel& select_decode_kernel(std::string_view name, std::string_view caller) {
+  std::string decoders;
+  for (const SdpaKernel& k : kKernels) {
+    if (k.decode == nullptr) continue;
+    decoders += fmt::format("{}{}", decoders.empty() ? "" : ", ", k.name);
+    if (!name.empty() && k.name != name) continue;
+    const std::string missing = missing_features(k);
+    if (missing.empty()) return k.decode();
+    if (!name.empty()) {
+      throw ValueError(fmt::format("{}: kernel '{}' cannot run here: {}", caller, k.name, missing));
+    }
+  }
+  throw ValueError(fmt::format("{}: kernel '{}' is not a decode kernel (decode kernels: {})", caller,
+                               name, decoders));
+}
 
 std::string kernel_why_not(const SdpaKernel& kernel, const SdpaProblem& problem,
                            const SdpaOptions& options) {

@@ -15,6 +15,7 @@
 #include "attn/dtype.hpp"
 #include "attn/sdpa.hpp"
 #include "sdpa/cpu/cpu_features.hpp"
+#include "sdpa/cpu/flash_isa.hpp"
 #include "sdpa/problem.hpp"
 
 namespace attn::detail {
@@ -38,7 +39,13 @@ struct SdpaKernel {
   std::string (*auto_declines)();
   // Takes float32 queries against bfloat16/float16 keys and values (SdpaProblem::kv_dtype).
   bool mixed_kv = false;
+  // The split-KV decode builds: their table, which paged_attention runs directly.
+  const cpu::DecodeKernel& (*decode)() = nullptr;
 };
+
+// The decode build paged_attention runs: `name` if not empty (ValueError if it is no decode
+// kernel or this CPU cannot run it), else the highest-priority one this CPU runs.
+const cpu::DecodeKernel& select_decode_kernel(std::string_view name, std::string_view caller);
 
 // Every registered kernel, highest priority first (the order sdpa_kernels() reports).
 std::span<const SdpaKernel> sdpa_registry();

@@ -62,7 +62,7 @@ PagedKvCache filled_cache(const DecodeCase& s, std::vector<int64_t>& ids) {
   return c;
 }
 
-void expect_matches_dense(const DecodeCase& s) {
+void expect_matches_dense_on(const DecodeCase& s, const std::string& kernel) {
   std::vector<int64_t> ids;
   const PagedKvCache cache = filled_cache(s, ids);
   ids.push_back(0);  // a sequence may appear twice
@@ -73,6 +73,7 @@ void expect_matches_dense(const DecodeCase& s) {
   po.is_causal = s.causal;
   po.need_lse = true;
   po.scale = 0.3;
+  po.kernel = kernel;
   const SdpaResult got = paged_attention(query, cache, ids, po);
   ASSERT_EQ(got.output.shape(), (Shape{N, s.L_q, s.Hq, s.Ev})) << describe(s);
   ASSERT_EQ(got.output.dtype(), s.query_dtype);
@@ -99,6 +100,30 @@ void expect_matches_dense(const DecodeCase& s) {
   }
 }
 
+// The decode builds this CPU runs; the others are reported once as skipped, with the reason.
+const std::vector<std::string>& decode_kernels() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const SdpaKernelInfo& k : sdpa_kernels()) {
+      if (!k.name.starts_with("cpu.decode.")) continue;
+      if (k.runs_on_this_cpu) {
+        out.push_back(k.name);
+      } else {
+        std::printf("[ SKIPPED  ] paged_attention on %s: %s\n", k.name.c_str(), k.reason_if_not.c_str());
+      }
+    }
+    return out;
+  }();
+  return names;
+}
+
+void expect_matches_dense(const DecodeCase& s) {
+  for (const std::string& kernel : decode_kernels()) {
+    SCOPED_TRACE("kernel " + kernel);
+    expect_matches_dense_on(s, kernel);
+  }
+}
+
 TEST(PagedAttention, EqualsDenseAttentionOnGatheredKv) {
   const DecodeCase setups[] = {
       {4, 4, 16, 16, 1, false},  {4, 4, 16, 16, 1, true},  {8, 2, 32, 24, 3, true},
@@ -112,6 +137,62 @@ TEST(PagedAttention, EveryCacheAndQueryDtype) {
     for (DType query : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
       expect_matches_dense({8, 2, 16, 16, 4, true, cache, query});
     }
+  }
+}
+
+// Long sequences (split into several key ranges by the kernel) whose pages lie in the pool in
+// shuffled order: the result equals the dense kernel on the gathered keys and values within
+// float32 rounding, and is bit-identical for 1, 2 and 3 threads.
+TEST(PagedAttention, LongShuffledSequencesSplitAcrossThreads) {
+  PagedKvCacheOptions o{.num_pages = 400, .page_size = 16, .heads_kv = 2, .head_dim = 64};
+  PagedKvCache c(o);
+  Generator gen(31);
+  // Interleave three sequences a page at a time, free one, so that the next grows into its pages.
+  for (int i = 0; i < 3; ++i) c.add_sequence();
+  for (int step = 0; step < 60; ++step) {
+    for (int64_t id = 0; id < 3; ++id) c.append(id, randn({16, 2, 64}, gen), randn({16, 2, 64}, gen));
+  }
+  c.free_sequence(1);
+  const int64_t grown = c.add_sequence();
+  c.append(grown, randn({2100, 2, 64}, gen), randn({2100, 2, 64}, gen));
+  const std::vector<int64_t> ids{0, grown, 2};
+  const Tensor q = randn({3, 2, 8, 64}, gen);
+  PagedAttentionOptions po{.is_causal = true, .need_lse = true};
+  for (const std::string& kernel : decode_kernels()) {
+    po.kernel = kernel;
+    po.num_threads = 1;
+    const SdpaResult one = paged_attention(q, c, ids, po);
+    for (int t : {2, 3}) {
+      po.num_threads = t;
+      const SdpaResult r = paged_attention(q, c, ids, po);
+      EXPECT_EQ(one.output.to_vector(), r.output.to_vector()) << kernel << " threads " << t;
+    }
+    SdpaOptions so{.is_causal = true, .causal_alignment = CausalAlignment::kBottomRight, .enable_gqa = true};
+    so.kernel = "cpu.flash.generic";
+    for (int64_t n = 0; n < 3; ++n) {
+      const Tensor qn = q.select(0, n).transpose(0, 1).unsqueeze(0).contiguous();
+      const Tensor dense = scaled_dot_product_attention(qn, c.gather_keys(ids[n]).unsqueeze(0),
+                                                        c.gather_values(ids[n]).unsqueeze(0), so).output;
+      const std::vector<float> a = one.output.select(0, n).transpose(0, 1).contiguous().to_vector();
+      const std::vector<float> b = dense.to_vector();
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 2e-6) << kernel << " seq " << ids[n] << " " << i;
+    }
+  }
+}
+
+TEST(PagedAttention, UnknownOrForeignKernelNamesAreRefused) {
+  PagedKvCache c(PagedKvCacheOptions{.num_pages = 2, .page_size = 4, .heads_kv = 1, .head_dim = 4});
+  const int64_t id = c.add_sequence();
+  c.append(id, Tensor::ones({3, 1, 4}), Tensor::ones({3, 1, 4}));
+  const std::vector<int64_t> ids{id};
+  PagedAttentionOptions po;
+  po.kernel = "cpu.flash.avx512";
+  try {
+    (void)paged_attention(Tensor::ones({1, 1, 1, 4}), c, ids, po);
+    ADD_FAILURE() << "a prefill kernel was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a decode kernel"), std::string::npos) << e.what();
   }
 }
 
