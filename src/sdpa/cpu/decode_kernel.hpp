@@ -5,17 +5,20 @@
 // so it shares their vector type `vf` (W floats), exp2v and per-ISA namespace.
 //
 // Shapes and tiling: the item's rows are few (GQA group x L <= 16 queries), its keys many.
-// Keys go by chunks of up to kDecodeChunk tokens (a chunk may span pages; each page's run of
-// rows is contiguous):
-//   st   (R, kDecodeChunk)  base-2 scores of the chunk, then its probabilities
-//   kbuf (Ep), vbuf (Evp)   one key / value row widened to float32 (16-bit or int8 caches, or a
-//                           head dim that is not a whole number of vectors)
-//   acc  (R, Evp)           the item's output accumulators (the caller's partial buffer)
-// A key row is read from memory once and dotted with all R query rows while it sits in L1; a
-// value row likewise feeds all R accumulators. So K and V stream through once per kv head:
-// (E + Ev) * S * sizeof(element) bytes per item range, the whole cost of decoding. The
-// arithmetic (R dot products and R AXPYs per token) is far below what the memory allows, so
-// the code favours simplicity over register tiling.
+// Keys go by chunks of up to kDecodeChunk tokens (a chunk may span pages; its row addresses are
+// gathered once per page run):
+//   st    (R, kDecodeChunk)  base-2 scores of the chunk, then its probabilities
+//   acc   (R, Evp)           the item's output accumulators (the caller's partial buffer)
+//   kwide (Ep), vwide (kDecodeChunk, Evp): widened rows, only for a head dim that is not a
+//         multiple of 16 (others are read in place, 16-bit and int8 widened in registers)
+// Scores: each key row is loaded once and dotted with four query rows at a time, the four
+// sums reduced together (hsum4). P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
+// chunk's tokens, so the accumulators stay in registers and each value vector feeds 4 rows.
+// Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
+// per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
+// reach the machine's bandwidth, so the score loop prefetches the key row kPrefetchAhead tokens
+// on and the value row it will need next (a burst of prefetches at once stalls on the fill
+// buffers instead; measured).
 //
 // Numerics: as the fused forward's (flash_kernel.hpp): scores are scaled once after the dot
 // product, masked positions get -inf (never added), a zero probability never multiplies a
@@ -23,16 +26,17 @@
 // keeps l = 0. The driver merges ranges with the same rule.
 #include "sdpa/cpu/decode_params.hpp"
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace attn::cpu::ATTN_SIMD_NS {
 
 constexpr int64_t kDecodeChunk = 64;
+constexpr int64_t kPrefetchAhead = 16;  // key rows
 
 inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
-  return R * kDecodeChunk + Ep + Evp;
+  return R * kDecodeChunk + Ep + kDecodeChunk * Evp;
 }
 
 inline float hsum(vf x) {
@@ -91,9 +95,27 @@ inline vf load_as_float(const void* row, int64_t e) {
   if constexpr (T == KvType::kFloat32) {
     return load(static_cast<const float*>(row) + e);
   } else if constexpr (T == KvType::kBFloat16) {
+    const uint16_t* src = static_cast<const uint16_t*>(row) + e;
+#if defined(__AVX512F__)
+    if constexpr (W == 16) {  // one vpmovzxwd zmm (the generic form splits it in two halves)
+      const __m512i b = _mm512_maskz_slli_epi32(
+          0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16);
+      vf out;
+      std::memcpy(&out, &b, sizeof out);
+      return out;
+    }
+#endif
+#if defined(__AVX2__)
+    if constexpr (W == 8) {
+      const __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16);
+      vf out;
+      std::memcpy(&out, &b, sizeof out);
+      return out;
+    }
+#endif
     using vu16 = uint16_t __attribute__((vector_size(W * sizeof(uint16_t))));
     vu16 h;
-    std::memcpy(&h, static_cast<const uint16_t*>(row) + e, sizeof h);
+    std::memcpy(&h, src, sizeof h);
     using vu32 = uint32_t __attribute__((vector_size(W * sizeof(uint32_t))));
     const vu32 bits = __builtin_convertvector(h, vu32) << 16;  // unsigned: no signed overflow
     vf r;
@@ -147,34 +169,149 @@ constexpr int64_t elem_size(KvType t) {
   return t == KvType::kFloat32 ? 4 : t == KvType::kInt8 ? 1 : 2;
 }
 
-// Calls f(u, row, scale) for tokens j0 + u, u in [0, n), walking the pages: one division per
-// page run, not per token. `scale` is the int8 scale of the row (1 for float caches).
-template <KvType T, typename F>
-inline void for_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, F&& f) {
+// The chunk's row addresses: rows[u] (and scales[u], the int8 scale, 1 for float caches) of
+// tokens j0 + u, u in [0, n), walking the pages with one division per page run.
+template <KvType T>
+inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, const char** rows,
+                       float* scales) {
   const char* base = static_cast<const char*>(values ? kv.v : kv.k);
   const int64_t page_stride = values ? kv.v_page : kv.k_page;
-  const int64_t row_stride = values ? kv.v_row : kv.k_row;
-  const float* scales = values ? kv.v_scale : kv.k_scale;
+  const int64_t row_bytes = (values ? kv.v_row : kv.k_row) * elem_size(T);
+  const float* sc = values ? kv.v_scale : kv.k_scale;
   int64_t u = 0;
   while (u < n) {
     const int64_t j = j0 + u, slot = j / kv.page_size, r0 = j % kv.page_size;
     const int64_t page = kv.pages != nullptr ? kv.pages[slot] : slot;
     const int64_t run = imin(n - u, kv.page_size - r0);
-    const char* row = base + (page * page_stride + r0 * row_stride) * elem_size(T);
-    const float* sc = T == KvType::kInt8 ? scales + page * kv.scale_page + r0 : nullptr;
+    const char* row = base + page * page_stride * elem_size(T) + r0 * row_bytes;
     for (int64_t t = 0; t < run; ++t) {
-      f(u + t, row + t * row_stride * elem_size(T), T == KvType::kInt8 ? sc[t] : 1.0f);
+      rows[u + t] = row + t * row_bytes;
+      scales[u + t] = T == KvType::kInt8 ? sc[page * kv.scale_page + r0 + t] : 1.0f;
     }
     u += run;
   }
 }
 
+// acc[r][c0 : c0 + CV*W] += sum_u P[r][u] * v_u[c0 : ...] for RT rows from r0, the tile in
+// registers over the chunk's tokens. A zero weight is skipped, never multiplied.
+template <KvType T, int RT, int CV>
+inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
+                    int64_t Evp, float* acc) {
+  vf a[RT][CV];
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
+  }
+  for (int64_t u = 0; u < nk; ++u) {
+    vf v[CV];
+    for (int c = 0; c < CV; ++c) v[c] = load_as_float<T>(vrows[u], c0 + c * W);
+    for (int r = 0; r < RT; ++r) {
+      const float pr = st[(r0 + r) * kDecodeChunk + u];
+      if (pr == 0.0f) continue;
+      const vf pb = splat(pr);
+      for (int c = 0; c < CV; ++c) a[r][c] += pb * v[c];
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < CV; ++c) store(acc + (r0 + r) * Evp + c0 + c * W, a[r][c]);
+  }
+}
+
+template <KvType T, int RT>
+inline void pv_rows(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
+                    float* acc) {
+  constexpr int kCV = W >= 16 ? 4 : 2;
+  int64_t c0 = 0;
+  for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV>(st, vrows, nk, r0, c0, Evp, acc);
+  for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1>(st, vrows, nk, r0, c0, Evp, acc);
+}
+
+// P.V for all rows of the chunk, in register tiles of 4, 2 and 1 rows.
+template <KvType T>
+inline void pv_chunk(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp,
+                     float* acc) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) pv_rows<T, 4>(st, vrows, nk, r0, Evp, acc);
+  for (; r0 + 2 <= R; r0 += 2) pv_rows<T, 2>(st, vrows, nk, r0, Evp, acc);
+  for (; r0 < R; ++r0) pv_rows<T, 1>(st, vrows, nk, r0, Evp, acc);
+}
+
+// The sums of four vectors' lanes, as {sum a0, sum a1, sum a2, sum a3}: one transposing
+// reduction instead of four horizontal ones.
+inline void hsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
+#if ATTN_SIMD_WIDTH == 16
+  using v8 = float __attribute__((vector_size(32)));
+  using v4 = float __attribute__((vector_size(16)));
+  const v8 b0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a0, a0, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 b1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a1, a1, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 b2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a2, a2, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 b3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a3, a3, 8, 9, 10, 11, 12, 13, 14, 15);
+  // c01 = {4 partials of a0, 4 of a1}, c23 likewise
+  const v8 c01 = __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8 c23 = __builtin_shufflevector(b2, b3, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(b2, b3, 4, 5, 6, 7, 12, 13, 14, 15);
+  // d = {2 of a0, 2 of a1, 2 of a2, 2 of a3}
+  const v8 d = __builtin_shufflevector(c01, c23, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(c01, c23, 2, 3, 6, 7, 10, 11, 14, 15);
+  const v4 r = __builtin_shufflevector(d, d, 0, 2, 4, 6) + __builtin_shufflevector(d, d, 1, 3, 5, 7);
+  std::memcpy(out, &r, sizeof r);
+#else
+  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+#endif
+}
+
+// Four query rows (q, row stride Ep) dotted with one key row: the key is loaded (and widened)
+// once for all four.
+template <KvType T>
+inline void dot_rows4(const float* q, int64_t Ep, const void* k, float* out) {
+  vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t e = 0; e < Ep; e += W) {
+    const vf kv = load_as_float<T>(k, e);
+    a0 += load(q + e) * kv;
+    a1 += load(q + Ep + e) * kv;
+    a2 += load(q + 2 * Ep + e) * kv;
+    a3 += load(q + 3 * Ep + e) * kv;
+  }
+  hsum4(a0, a1, a2, a3, out);
+}
+
+// q . k for one query row (float32, Ep) and one key row of type T read in place (E a whole
+// number of vectors) or widened (`widened`: float32, Ep).
+template <KvType T>
+inline float dot_row(const float* q, const void* k, int64_t Ep) {
+  vf a0 = {}, a1 = {};
+  int64_t e = 0;
+  for (; e + 2 * W <= Ep; e += 2 * W) {
+    a0 += load(q + e) * load_as_float<T>(k, e);
+    a1 += load(q + e + W) * load_as_float<T>(k, e + W);
+  }
+  if (e < Ep) a0 += load(q + e) * load_as_float<T>(k, e);
+  return hsum(a0 + a1);
+}
+
+// Scaled scores of all R rows against one key row: st[r * kDecodeChunk] = s * (q_r . k).
+template <KvType T>
+inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, float s, float* st) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) {
+    float d[4];
+    dot_rows4<T>(q + r * Ep, Ep, k, d);
+    for (int i = 0; i < 4; ++i) st[(r + i) * kDecodeChunk] = d[i] * s;
+  }
+  for (; r < R; ++r) st[r * kDecodeChunk] = dot_row<T>(q + r * Ep, k, Ep) * s;
+}
+
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, float* ws) {
   float* st = ws;
-  float* kbuf = st + it.R * kDecodeChunk;
-  float* vbuf = kbuf + p.Ep;
+  float* kwide = st + it.R * kDecodeChunk;        // (Ep): a widened key row
+  float* vwide = kwide + p.Ep;                    // (kDecodeChunk, Evp): widened value rows
+  const char* rows[4][kDecodeChunk];              // this chunk's and the next one's K and V rows
+  float scales[4][kDecodeChunk];
+  const void* vrow[kDecodeChunk];
+  // Rows that are a whole number of vectors are read in place (widened in registers); others
+  // are widened into a zero-padded buffer first.
+  // (Ep, Evp are padded to 16 for every ISA: a row shorter than that would be read past its end.)
+  const bool k_in_place = p.E == p.Ep, v_in_place = p.Ev == p.Evp;
   constexpr float kLog2e = 1.4426950408889634f;
+  const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
 
   // Keys past every row's causal limit are read by no row.
   int64_t j_end = it.j1;
@@ -188,26 +325,45 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
     it.l[r] = 0.0f;
     zero(it.acc + r * p.Evp, p.Evp);
   }
+  if (it.j0 >= j_end) return;
 
+  int cur = 0;  // rows[2 * cur] (K) and rows[2 * cur + 1] (V) hold the chunk at c0
+  chunk_rows<T>(kv, false, it.j0, imin(kDecodeChunk, j_end - it.j0), rows[0], scales[0]);
+  chunk_rows<T>(kv, true, it.j0, imin(kDecodeChunk, j_end - it.j0), rows[1], scales[1]);
   for (int64_t c0 = it.j0; c0 < j_end; c0 += kDecodeChunk) {
     const int64_t nk = imin(kDecodeChunk, j_end - c0);
     const int64_t nkp = (nk + W - 1) / W * W;
+    const char* const* kr = rows[2 * cur];
+    const char* const* vr = rows[2 * cur + 1];
+    const float* ks = scales[2 * cur];
+    const float* vs = scales[2 * cur + 1];
+    const int64_t c1 = c0 + kDecodeChunk;
+    if (c1 < j_end) {
+      const int nxt = 1 - cur;
+      const int64_t nn = imin(kDecodeChunk, j_end - c1);
+      chunk_rows<T>(kv, false, c1, nn, rows[2 * nxt], scales[2 * nxt]);
+      chunk_rows<T>(kv, true, c1, nn, rows[2 * nxt + 1], scales[2 * nxt + 1]);
+    }
 
-    for_rows<T>(kv, false, c0, nk, [&](int64_t u, const char* row, float kscale) {
-      const float* kr = widen_row<T>(row, p.E, p.Ep, kbuf);
-      const float s = kscale * p.scale_log2;
-      for (int64_t r = 0; r < it.R; ++r) {
-        const float* q = it.q + r * p.Ep;
-        vf a0 = {}, a1 = {};
-        int64_t e = 0;
-        for (; e + 2 * W <= p.Ep; e += 2 * W) {
-          a0 += load(q + e) * load(kr + e);
-          a1 += load(q + e + W) * load(kr + e + W);
-        }
-        if (e < p.Ep) a0 += load(q + e) * load(kr + e);
-        st[r * kDecodeChunk + u] = hsum(a0 + a1) * s;
+    // Prefetch as the scores go: the key row kPrefetchAhead tokens on (into the next chunk at
+    // the end) and this chunk's value row u, so memory keeps many lines in flight while the
+    // core computes; a burst of prefetches at once would stall on the fill buffers instead.
+    const char* const* next_k = c1 < j_end ? rows[2 * (1 - cur)] : nullptr;
+    const int64_t next_n = c1 < j_end ? imin(kDecodeChunk, j_end - c1) : 0;
+    for (int64_t u = 0; u < nk; ++u) {
+      const int64_t ua = u + kPrefetchAhead;
+      const char* ahead = ua < nk ? kr[ua] : ua - nk < next_n ? next_k[ua - nk] : nullptr;
+      if (ahead != nullptr) {
+        for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
       }
-    });
+      for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr[u] + b, 0, 3);
+      const float s = ks[u] * p.scale_log2;
+      if (k_in_place) {
+        scores_token<T>(it.q, it.R, p.Ep, kr[u], s, st + u);
+      } else {
+        scores_token<KvType::kFloat32>(it.q, it.R, p.Ep, widen_row<T>(kr[u], p.E, p.Ep, kwide), s, st + u);
+      }
+    }
 
     for (int64_t r = 0; r < it.R; ++r) {
       float* sr = st + r * kDecodeChunk;
@@ -247,18 +403,18 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
         float* a = it.acc + r * p.Evp;
         for (int64_t c = 0; c < p.Evp; c += W) store(a + c, load(a + c) * alpha);
       }
+      if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
+        for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
+      }
     }
 
-    for_rows<T>(kv, true, c0, nk, [&](int64_t u, const char* row, float vscale) {
-      const float* vr = widen_row<T>(row, p.Ev, p.Evp, vbuf);
-      for (int64_t r = 0; r < it.R; ++r) {
-        const float pr = st[r * kDecodeChunk + u];
-        if (pr == 0.0f) continue;  // a zero weight must not turn a NaN/Inf value into NaN
-        const vf pb = splat(pr * vscale);
-        float* a = it.acc + r * p.Evp;
-        for (int64_t c = 0; c < p.Evp; c += W) store(a + c, load(a + c) + pb * load(vr + c));
-      }
-    });
+    if (v_in_place) {
+      pv_chunk<T>(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc);
+    } else {
+      for (int64_t u = 0; u < nk; ++u) vrow[u] = widen_row<T>(vr[u], p.Ev, p.Evp, vwide + u * p.Evp);
+      pv_chunk<KvType::kFloat32>(st, vrow, nk, it.R, p.Evp, it.acc);
+    }
+    cur = 1 - cur;
   }
 }
 
