@@ -1,6 +1,8 @@
 // `attn bench` (see bench.hpp).
 #include "bench.hpp"
 
+#include "attn/kv_cache.hpp"
+
 #include <fmt/format.h>
 #include <omp.h>
 #include <sys/resource.h>
@@ -162,8 +164,16 @@ std::optional<std::string> validate(const BenchConfig& c) {
     return fmt::format("--dtype must be f32, bf16, f16 or f64 (got '{}')", c.dtype);
   }
   if (const std::string kv = c.kv_dtype_or_default();
-      c.kv_dtype && kv != "f32" && kv != "bf16" && kv != "f16") {
-    return fmt::format("--kv-dtype must be f32, bf16 or f16 (got '{}')", kv);
+      c.kv_dtype && kv != "f32" && kv != "bf16" && kv != "f16" && !(kv == "int8" && c.page_size > 0)) {
+    return fmt::format("--kv-dtype must be f32, bf16 or f16, or int8 with --page-size (got '{}')", kv);
+  }
+  if (c.page_size < 0) return fmt::format("--page-size must be positive (got {})", c.page_size);
+  if (c.page_size > 0 && (!c.decode() || c.dtype == "f64")) {
+    return fmt::format("--page-size decodes: it needs --seq at most {}, no --backward, and --dtype "
+                       "f32, bf16 or f16", kDecodeMaxSeq);
+  }
+  if (c.page_size > 0 && c.causal && c.causal_align != "bottom-right") {
+    return "--page-size with --causal needs --causal-align bottom-right (paged_attention's)";
   }
   if (c.causal_align != "top-left" && c.causal_align != "bottom-right") {
     return fmt::format("--causal-align must be top-left or bottom-right (got '{}')", c.causal_align);
@@ -223,8 +233,31 @@ double attention_flops(const BenchConfig& c) {
 }
 
 int64_t kv_bytes(const BenchConfig& c) {
-  return c.batch * c.kv_heads_or_default() * c.seq_kv_or_default() * (c.dim + c.dim) *
-         dtype_size(dtype_of(c.kv_dtype_or_default()));
+  const int64_t rows = c.batch * c.kv_heads_or_default() * c.seq_kv_or_default();
+  if (c.kv_dtype_or_default() == "int8") return rows * (c.dim + c.dim + 2 * 4);  // + the scales
+  return rows * (c.dim + c.dim) * dtype_size(dtype_of(c.kv_dtype_or_default()));
+}
+
+// K and V (B, H_kv, S, E) in a paged cache: sequence b's tokens appended a page at a time, the
+// sequences in turn, so that their pages interleave in the pool as an engine's would.
+PagedKvCache paged_copy(const Tensor& k, const Tensor& v, int64_t page_size, DType dtype) {
+  const int64_t B = k.size(0), H = k.size(1), S = k.size(2), E = k.size(3);
+  PagedKvCacheOptions o;
+  o.page_size = page_size;
+  o.num_pages = B * ((S + page_size - 1) / page_size);
+  o.heads_kv = H;
+  o.head_dim = E;
+  o.dtype = dtype;
+  PagedKvCache cache(o);
+  for (int64_t b = 0; b < B; ++b) cache.add_sequence();
+  for (int64_t t0 = 0; t0 < S; t0 += page_size) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t t1 = std::min(S, t0 + page_size);
+      cache.append(b, k.select(0, b).slice(1, t0, t1).transpose(0, 1),
+                   v.select(0, b).slice(1, t0, t1).transpose(0, 1));
+    }
+  }
+  return cache;
 }
 
 KvCopies kv_copies(int64_t copy_bytes, int64_t llc_bytes, int64_t available_bytes) {
@@ -258,7 +291,10 @@ BenchResult run_bench(const BenchConfig& c) {
 
   Generator gen(0);  // the same inputs on every run
   const int64_t kv_heads = c.kv_heads_or_default(), seq_kv = c.seq_kv_or_default();
-  const DType dtype = dtype_of(c.dtype), kv_dtype = dtype_of(c.kv_dtype_or_default());
+  const bool paged = c.page_size > 0;
+  const DType dtype = dtype_of(c.dtype);
+  const DType kv_dtype = c.kv_dtype_or_default() == "int8" ? DType::kFloat32 : dtype_of(c.kv_dtype_or_default());
+  const DType cache_dtype = c.kv_dtype_or_default() == "int8" ? DType::kInt8 : kv_dtype;
   const Tensor q = randn({c.batch, c.heads, c.seq, c.dim}, gen).to(dtype);
   // Decode mode reads K/V from copies[i % copies.size()] on call i (see the top of bench.hpp).
   std::vector<Tensor> ks, vs;
@@ -275,7 +311,14 @@ BenchResult run_bench(const BenchConfig& c) {
   // Which kernel the timed calls run; throws (before any timing) as the call would. K/V in another
   // dtype than q is the flags' choice: the library refusing it is a usage error.
   try {
-    r.kernel = sdpa_kernel_name(q, ks.front(), vs.front(), options);
+    if (paged) {  // paged_attention runs the best decode build
+      for (const SdpaKernelInfo& k : sdpa_kernels()) {
+        if (r.kernel.empty() && k.name.starts_with("cpu.decode.") && k.runs_on_this_cpu) r.kernel = k.name;
+      }
+      r.kernel = "paged_attention, " + r.kernel;
+    } else {
+      r.kernel = sdpa_kernel_name(q, ks.front(), vs.front(), options);
+    }
   } catch (const Error& e) {
     if (kv_dtype == dtype) throw;
     throw UsageError(fmt::format("--kv-dtype {} with --dtype {}: {}", c.kv_dtype_or_default(),
@@ -291,6 +334,17 @@ BenchResult run_bench(const BenchConfig& c) {
   if (!peak) peak = measure_fma_peak(threads);
   r.peak_gflops = peak->gflops;
   r.simd = peak->isa;
+  std::vector<PagedKvCache> caches;  // --page-size: the copies, as paged caches
+  std::vector<int64_t> seq_ids(static_cast<size_t>(c.batch));
+  for (int64_t b = 0; b < c.batch; ++b) seq_ids[static_cast<size_t>(b)] = b;
+  Tensor q_paged;  // (B, L, H, E), paged_attention's layout
+  PagedAttentionOptions paged_options;
+  if (paged) {
+    caches.push_back(paged_copy(ks.front(), vs.front(), c.page_size, cache_dtype));
+    q_paged = q.transpose(1, 2).contiguous();
+    paged_options.is_causal = c.causal;
+    paged_options.num_threads = threads;
+  }
   if (c.decode()) {
     // The probe's array is freed before the copies are made: the two never add up.
     DecodeResult d;
@@ -299,8 +353,13 @@ BenchResult run_bench(const BenchConfig& c) {
     d.copies = kv_copies(d.kv_bytes, last_level_cache_bytes(), available_memory_bytes());
     for (int64_t i = 1; i < d.copies.count; ++i) {
       const int64_t shift = i * 4099;  // elements; a prime, so no copy repeats another's pages
-      ks.push_back(rotated_copy(ks.front(), shift));
-      vs.push_back(rotated_copy(vs.front(), shift));
+      if (paged) {  // one dense copy at a time: only the caches stay
+        caches.push_back(paged_copy(rotated_copy(ks.front(), shift), rotated_copy(vs.front(), shift),
+                                    c.page_size, cache_dtype));
+      } else {
+        ks.push_back(rotated_copy(ks.front(), shift));
+        vs.push_back(rotated_copy(vs.front(), shift));
+      }
     }
     r.decode = d;
   }
@@ -316,6 +375,7 @@ BenchResult run_bench(const BenchConfig& c) {
   const auto call = [&](size_t i) {
     if (c.backward) return scaled_dot_product_attention_backward(dout, q, ks.front(), vs.front(), saved, options)
           .grad_query;
+    if (paged) return paged_attention(q_paged, caches[i % caches.size()], seq_ids, paged_options).output;
     return scaled_dot_product_attention(q, ks[i % ks.size()], vs[i % vs.size()], options).output;
   };
   const auto timed = [&](size_t i) {
@@ -364,7 +424,7 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
       "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}], "
-      "\"kv_dtype\": {}, \"causal_align\": {}{}}}\n",
+      "\"kv_dtype\": {}, \"causal_align\": {}, \"page_size\": {}{}}}\n",
       json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
@@ -372,7 +432,7 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
       json_string(r.blas_core), json_string(r.blas_config),
       r.openblas_coretype.empty() ? "null" : json_string(r.openblas_coretype), json_string(r.simd),
       json_string(r.cpu), json_times(r.times_ms), json_string(c.kv_dtype_or_default()),
-      json_string(c.causal_align), decode);
+      json_string(c.causal_align), c.page_size, decode);
 }
 
 std::string format_table(const BenchConfig& c, const BenchResult& r) {
@@ -391,8 +451,15 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
   row("repeats", fmt::format("{} (after {} warmup)", c.repeats, c.warmup));
   if (r.decode) {
     const DecodeResult& d = *r.decode;
-    row("K/V read", fmt::format("{} per call (B*Hkv*S*(E+Ev)*{} bytes)", mib_text(d.kv_bytes),
-                                dtype_size(dtype_of(c.kv_dtype_or_default()))));
+    row("K/V read", c.kv_dtype_or_default() == "int8"
+                        ? fmt::format("{} per call (B*Hkv*S*(E+Ev) int8 bytes + 2 float32 scales a row)",
+                                      mib_text(d.kv_bytes))
+                        : fmt::format("{} per call (B*Hkv*S*(E+Ev)*{} bytes)", mib_text(d.kv_bytes),
+                                      dtype_size(dtype_of(c.kv_dtype_or_default()))));
+    if (c.page_size > 0) {
+      row("layout", fmt::format("paged: pages of {} tokens, the {} sequences' pages interleaved",
+                                c.page_size, c.batch));
+    }
     row("K/V copies", fmt::format("{}, {} in all, rotated call by call{}", d.copies.count,
                                   mib_text(d.copies.count * d.kv_bytes),
                                   d.copies.from_memory()

@@ -46,7 +46,8 @@ struct BenchConfig {
   std::string impl = "auto";        // fused | reference | auto: the kernel family
   std::string kernel;               // a registered kernel forced by name ("" = the family's best)
   std::string dtype = "f32";        // f32 | bf16 | f16 | f64: the dtype of q (and k, v)
-  std::optional<std::string> kv_dtype;  // f32 | bf16 | f16: the dtype of k, v (default: dtype)
+  std::optional<std::string> kv_dtype;  // f32 | bf16 | f16 (| int8 with page_size): k, v (default: dtype)
+  int64_t page_size = 0;  // > 0: K/V in an attn::PagedKvCache of such pages, read by paged_attention
   bool backward = false;            // time the backward pass
   bool json = false;
   bool peak_only = false;

@@ -130,6 +130,10 @@ int run(int argc, char** argv) {
       "Element type of k, v: f32, bf16 or f16 (default: --dtype). Another dtype than q's (e.g. "
       "f32 queries against a bf16 cache) needs a kernel that takes it; if none does, the "
       "library's reason is a usage error");
+  bench->add_option("--page-size", bench_config.page_size,
+                    "Decode from a paged KV cache (attn::PagedKvCache, pages of this many tokens, "
+                    "the sequences' pages interleaved in the pool) through paged_attention; "
+                    "--kv-dtype may then also be int8");
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
                   "the forward's, as FlashAttention does");

@@ -122,6 +122,25 @@ inline vf load_as_float(const void* row, int64_t e) {
     std::memcpy(&r, &bits, sizeof r);
     return r;
   } else if constexpr (T == KvType::kInt8) {
+#if defined(__AVX512F__)
+    if constexpr (W == 16) {  // vpmovsxbd + vcvtdq2ps (the generic form is scalarised; the maskz forms
+                              // keep GCC 12 from warning about _mm512_undefined)
+      const __m512 f = _mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_cvtepi8_epi32(0xffff,
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(row) + e))));
+      vf out;
+      std::memcpy(&out, &f, sizeof out);
+      return out;
+    }
+#endif
+#if defined(__AVX2__)
+    if constexpr (W == 8) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(row) + e))));
+      vf out;
+      std::memcpy(&out, &f, sizeof out);
+      return out;
+    }
+#endif
     using vi8 = int8_t __attribute__((vector_size(W)));
     vi8 b;
     std::memcpy(&b, static_cast<const int8_t*>(row) + e, sizeof b);
