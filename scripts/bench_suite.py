@@ -240,6 +240,8 @@ def run_attn(attn: Path, impl: str, cfg: dict) -> dict:
             cmd += ["--causal-align", cfg["causal_align"]]
     if cfg.get("backward"):
         cmd.append("--backward")
+    if cfg.get("page_size"):
+        cmd += ["--page-size", str(cfg["page_size"])]
     return run_json(cmd)
 
 
@@ -332,7 +334,10 @@ DECODE_SEQS_KV = (1024, 8192, 32768)
 # The several-new-tokens row: (B, H_kv, E, S, L), causal with bottom-right alignment.
 DECODE_MULTI_QUERY = (1, 8, 128, 8192, 16)
 QUICK_DECODE_SHAPES = ((1, 8, 64, 1024, 1), (1, 8, 64, 1024, 16))
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "int8": 1}
+# The paged-cache rows: the target shape (B, H_kv, E, S, L) from an attn::PagedKvCache.
+DECODE_PAGED_SHAPE = (1, 8, 128, 8192, 1)
+DECODE_PAGE_SIZE = 16
 MIB = 1 << 20
 
 
@@ -372,6 +377,18 @@ def decode_configurations(quick: bool, threads: list[int], kv_dtypes: tuple[str,
                     "causal_align": "bottom-right", "backward": False, "threads": t,
                     "repeats": repeats, "warmup": warmup, "dtype": "f32", "kv_dtype": d,
                     "kv_bytes": kv_bytes})
+    if not quick:  # the paged cache on the target shape: f32 and bf16 against contiguous, and int8
+        b, hkv, e, sk, l = DECODE_PAGED_SHAPE
+        for d in ("f32", "bf16", "int8"):
+            kv_bytes = b * hkv * sk * (2 * e * DTYPE_BYTES[d] + (8 if d == "int8" else 0))
+            repeats, warmup = decode_repeats(kv_bytes)
+            for t in threads:
+                configs.append({
+                    "layout": f"paged{DECODE_PAGE_SIZE}", "decode": True, "batch": b,
+                    "heads": DECODE_HEADS, "kv_heads": hkv, "seq": l, "seq_kv": sk, "dim": e,
+                    "causal": False, "causal_align": "top-left", "backward": False, "threads": t,
+                    "repeats": repeats, "warmup": warmup, "dtype": "f32", "kv_dtype": d,
+                    "kv_bytes": kv_bytes, "page_size": DECODE_PAGE_SIZE})
     return configs, skipped
 
 
@@ -407,6 +424,7 @@ def kv_copies(copy_bytes: int) -> int:
 # "layout" in decode_configurations); the table and the PyTorch comparison take any layout.
 DECODE_RUNNERS = {
     "contiguous": lambda attn, cfg: run_attn(attn, "auto", cfg),
+    f"paged{DECODE_PAGE_SIZE}": lambda attn, cfg: run_attn(attn, "auto", cfg),
 }
 
 
@@ -419,7 +437,7 @@ def run_decode_row(attn: Path, python: Path | None, guard: "BusyGuard", cfg: dic
         cfg = {**cfg, "dtype": cfg["kv_dtype"]}
         fused = guard.run("attn", cfg, lambda: runner(attn, cfg), lambda r: r)
     row = {"config": cfg, "fused": fused}
-    if python is not None:
+    if python is not None and cfg["kv_dtype"] != "int8":  # PyTorch's SDPA has no int8 K/V
         spec = {**cfg, "copies": fused.get("decode", {}).get("kv_copies") or kv_copies(cfg["kv_bytes"])}
 
         def torch_run():
