@@ -139,6 +139,21 @@ inline const std::vector<std::string>& runnable_fused_kernels() {
   return names;
 }
 
+// The registered kernels whose name starts with `prefix` that this CPU runs (e.g. the decode
+// builds, "cpu.decode."); one it cannot run is reported on stdout with the reason.
+inline std::vector<std::string> runnable_kernels_named(const std::string& prefix) {
+  std::vector<std::string> out;
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    if (!k.name.starts_with(prefix)) continue;
+    if (k.runs_on_this_cpu) {
+      out.push_back(k.name);
+    } else {
+      std::printf("[ SKIPPED  ] kernel %s on this CPU: %s\n", k.name.c_str(), k.reason_if_not.c_str());
+    }
+  }
+  return out;
+}
+
 // The decode kernels take short inference problems only (at most 16 queries per head, no
 // weights, no dropout): a sweep that forces every kernel skips a decode kernel where it refuses
 // (tests/sdpa/cpu/test_decode.cpp checks that it refuses exactly those). Every other kernel

@@ -25,18 +25,7 @@ using test::max_abs_err;
 
 // The decode builds this CPU runs (the others reported as skipped, with the reason).
 const std::vector<std::string>& decode_kernels() {
-  static const std::vector<std::string> names = [] {
-    std::vector<std::string> out;
-    for (const SdpaKernelInfo& k : sdpa_kernels()) {
-      if (!k.name.starts_with("cpu.decode.")) continue;
-      if (k.runs_on_this_cpu) {
-        out.push_back(k.name);
-      } else {
-        std::printf("[ SKIPPED  ] kernel %s on this CPU: %s\n", k.name.c_str(), k.reason_if_not.c_str());
-      }
-    }
-    return out;
-  }();
+  static const std::vector<std::string> names = test::runnable_kernels_named("cpu.decode.");
   return names;
 }
 
