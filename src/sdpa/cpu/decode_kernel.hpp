@@ -36,7 +36,8 @@ constexpr int64_t kDecodeChunk = 64;
 constexpr int64_t kPrefetchAhead = 16;  // key rows
 
 inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
-  return R * kDecodeChunk + Ep + kDecodeChunk * Evp;
+  const int64_t Rp = (R + 15) / 16 * 16;  // rows padded for the lane layout (W divides 16)
+  return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + Ep * Rp + kDecodeChunk * Ep;
 }
 
 inline float hsum(vf x) {
@@ -305,6 +306,61 @@ inline float dot_row(const float* q, const void* k, int64_t Ep) {
   return hsum(a0 + a1);
 }
 
+// Many rows (R >= W: a GQA group times several new tokens): scores in the prefill kernel's
+// layout instead, rows in lanes. qt (Ep, Rp) is Q^T, packed once per item; per step of E, RV
+// loads of qt feed JT key broadcasts (fused into the FMAs), so no horizontal sums are needed.
+// E is summed in chunks of kEChunk whose partial sums are added at the end of each chunk, as the
+// prefill kernel does for accuracy (one FMA chain over E = 128 loses several bits).
+template <int JT, int RV>
+inline void scores_lanes(const float* qt, int64_t Rp, const float* const* k, int64_t E, int64_t r0,
+                         const float* s, float* st) {
+  vf total[JT][RV] = {};
+  for (int64_t e0 = 0; e0 < E; e0 += kEChunk) {
+    const int64_t e1 = imin(e0 + kEChunk, E);
+    vf acc[JT][RV] = {};
+    for (int64_t e = e0; e < e1; ++e) {
+      vf q[RV];
+      for (int v = 0; v < RV; ++v) q[v] = load(qt + e * Rp + r0 + v * W);
+      for (int t = 0; t < JT; ++t) {
+        const vf kb = splat(k[t][e]);
+        for (int v = 0; v < RV; ++v) acc[t][v] += kb * q[v];
+      }
+    }
+    for (int t = 0; t < JT; ++t) {
+      for (int v = 0; v < RV; ++v) total[t][v] += acc[t][v];
+    }
+  }
+  for (int t = 0; t < JT; ++t) {  // back to st's (row, token) layout
+    for (int v = 0; v < RV; ++v) {
+      for (int l = 0; l < W; ++l) st[(r0 + v * W + l) * kDecodeChunk + t] = total[t][v][l] * s[t];
+    }
+  }
+}
+
+// The chunk's scores with rows in lanes; krows are float32 rows (widened if need be), ks the
+// per-token scale (times scale_log2). Rows past R are padding and land in st's spare rows.
+inline void scores_chunk_lanes(const float* qt, int64_t Rp, const float* const* krows,
+                               const float* ks, int64_t nk, int64_t E, float* st) {
+  for (int64_t r0 = 0; r0 < Rp; r0 += (Rp - r0 >= 2 * W ? 2 * W : W)) {
+    const bool two = Rp - r0 >= 2 * W;
+    int64_t u = 0;
+    for (; u + 4 <= nk; u += 4) {
+      if (two) {
+        scores_lanes<4, 2>(qt, Rp, krows + u, E, r0, ks + u, st + u);
+      } else {
+        scores_lanes<4, 1>(qt, Rp, krows + u, E, r0, ks + u, st + u);
+      }
+    }
+    for (; u < nk; ++u) {
+      if (two) {
+        scores_lanes<1, 2>(qt, Rp, krows + u, E, r0, ks + u, st + u);
+      } else {
+        scores_lanes<1, 1>(qt, Rp, krows + u, E, r0, ks + u, st + u);
+      }
+    }
+  }
+}
+
 // Scaled scores of all R rows against one key row: st[r * kDecodeChunk] = s * (q_r . k).
 template <KvType T>
 inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, float s, float* st) {
@@ -320,8 +376,14 @@ inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, f
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, float* ws) {
   float* st = ws;
-  float* kwide = st + it.R * kDecodeChunk;        // (Ep): a widened key row
+  const bool lanes = it.R >= W;                   // many rows: scores with rows in lanes
+  const int64_t Rp = (it.R + 15) / 16 * 16;
+  float* kwide = st + Rp * kDecodeChunk;          // (Ep): a widened key row
   float* vwide = kwide + p.Ep;                    // (kDecodeChunk, Evp): widened value rows
+  float* qt = vwide + kDecodeChunk * p.Evp;       // lanes: (Ep, Rp) Q^T
+  float* kchunk = qt + p.Ep * Rp;                 // lanes: (kDecodeChunk, Ep) widened key rows
+  const float* kf[kDecodeChunk];
+  float kscale[kDecodeChunk];
   const char* rows[4][kDecodeChunk];              // this chunk's and the next one's K and V rows
   float scales[4][kDecodeChunk];
   const void* vrow[kDecodeChunk];
@@ -345,6 +407,11 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
     zero(it.acc + r * p.Evp, p.Evp);
   }
   if (it.j0 >= j_end) return;
+  if (lanes) {
+    for (int64_t e = 0; e < p.Ep; ++e) {
+      for (int64_t r = 0; r < Rp; ++r) qt[e * Rp + r] = r < it.R ? it.q[r * p.Ep + e] : 0.0f;
+    }
+  }
 
   int cur = 0;  // rows[2 * cur] (K) and rows[2 * cur + 1] (V) hold the chunk at c0
   chunk_rows<T>(kv, false, it.j0, imin(kDecodeChunk, j_end - it.j0), rows[0], scales[0]);
@@ -377,12 +444,18 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       }
       for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr[u] + b, 0, 3);
       const float s = ks[u] * p.scale_log2;
-      if (k_in_place) {
+      if (lanes) {  // gather the chunk's rows; the scores follow, all at once
+        kf[u] = T == KvType::kFloat32 && k_in_place ? reinterpret_cast<const float*>(kr[u])
+                                                    : widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
+        kscale[u] = s;
+      } else if (k_in_place) {
         scores_token<T>(it.q, it.R, p.Ep, kr[u], s, st + u);
       } else {
         scores_token<KvType::kFloat32>(it.q, it.R, p.Ep, widen_row<T>(kr[u], p.E, p.Ep, kwide), s, st + u);
       }
     }
+
+    if (lanes) scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
 
     for (int64_t r = 0; r < it.R; ++r) {
       float* sr = st + r * kDecodeChunk;
