@@ -64,6 +64,9 @@ struct AttnMask {
 //               "cpu.decode.generic") come first: they split the keys across threads, read
 //               each kv head once for its whole GQA group, and merge the splits through their
 //               LSEs; results are bit-identical for any thread count, like the others'.
+//               need_weights or dropout send a short call to the flash kernels instead, so
+//               those options can change the output's last bits (PyTorch's
+//               MultiheadAttention likewise takes another path with need_weights).
 //   kAuto:      the highest-priority kernel that takes the call: the best fused build unless
 //               the call uses something only the reference supports (dropout with
 //               DropoutRng::kTorch), then the reference.

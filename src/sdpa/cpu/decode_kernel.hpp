@@ -491,8 +491,10 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       }
       it.l[r] = it.l[r] * alpha + hsum(sum);
       it.m[r] = m_new;
-      if (alpha != 1.0f) {
-        float* a = it.acc + r * p.Evp;
+      float* a = it.acc + r * p.Evp;
+      if (alpha == 0.0f) {  // the old weights underflowed: excluded, as the merge excludes ranges
+        zero(a, p.Evp);
+      } else if (alpha != 1.0f) {
         for (int64_t c = 0; c < p.Evp; c += W) store(a + c, load(a + c) * alpha);
       }
       if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)

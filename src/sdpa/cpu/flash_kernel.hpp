@@ -262,6 +262,10 @@ inline void forward_block(const FlashParams& p, const FlashBlock& b, float* ws) 
       m[h] = mx;
       for (int q = 0; q < W; ++q) {
         float* row = ob + (h * W + q) * evp;
+        if (alpha[q] == 0.0f) {  // the old weights underflowed: excluded, so an Inf value met
+          zero(row, evp);        // before cannot turn into NaN here (docs/NUMERICS.md)
+          continue;
+        }
         const vf a = splat(alpha[q]);
         for (int64_t c = 0; c < evp; c += W) store(row + c, load(row + c) * a);
       }

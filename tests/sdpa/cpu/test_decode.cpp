@@ -234,5 +234,27 @@ TEST(DecodeNumerics, ZeroWeightsNeverTouchValuesAcrossRanges) {
   }
 }
 
+// The same rule inside one range: a later key block raising the max by more than 126 (base 2)
+// makes the earlier weights underflow to exactly 0, so an Inf value among them is excluded, not
+// turned into NaN by the rescale. Every fused kernel, prefill and decode, keeps it.
+TEST(DecodeNumerics, UnderflowedEarlierWeightsExcludeAnInfValue) {
+  const int64_t S = 65, E = 16;
+  Tensor q = Tensor::zeros({1, 1, 1, E}), k = Tensor::zeros({1, 1, S, E}), v = Tensor::zeros({1, 1, S, E});
+  q.at({0, 0, 0, 0}) = 1.0f;
+  k.at({0, 0, 64, 0}) = 100.0f;  // score 100 against 0 for keys 0..63: e^-100 underflows
+  v.at({0, 0, 0, 0}) = INFINITY;
+  v.at({0, 0, 64, 0}) = 1.0f;
+  SdpaOptions o;
+  o.scale = 1.0;
+  std::vector<std::string> kernels = test::runnable_kernels_named("cpu.");
+  for (const std::string& kernel : kernels) {
+    if (kernel == "cpu.flash.avx512_bf16") continue;  // float32 inputs: not its dtype
+    o.kernel = kernel;
+    const std::vector<float> out = scaled_dot_product_attention(q, k, v, o).output.to_vector();
+    EXPECT_EQ(out[0], 1.0f) << kernel;
+    for (int64_t e = 1; e < E; ++e) EXPECT_EQ(out[static_cast<size_t>(e)], 0.0f) << kernel;
+  }
+}
+
 }  // namespace
 }  // namespace attn
