@@ -62,7 +62,8 @@ PagedAttentionShape check_paged_attention(const TensorView& query, const PagedKv
                                    who, kMaxScale, *options.scale));
     }
   }
-  s.scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(s.E)));
+  // The default as scaled_dot_product_attention applies it: 1 / float32(sqrt(E)).
+  s.scale = options.scale.value_or(1.0 / static_cast<double>(static_cast<float>(std::sqrt(double(s.E)))));
   if (options.num_threads < 0) {
     throw ValueError(fmt::format("{}: options.num_threads must be >= 0 (0: OpenMP's default), got {}", who,
                                  options.num_threads));
@@ -96,14 +97,7 @@ SdpaResult paged_attention(const TensorView& query_in, const PagedKvCache& cache
 
   cpu::DecodeCall c;
   c.N = s.N, c.heads_q = s.H_q, c.heads_kv = cache.heads_kv(), c.L = s.L_q;
-  cpu::DecodeParams& dp = c.params;
-  dp.E = s.E, dp.Ev = s.Ev, dp.Ep = cpu::decode_padded(s.E), dp.Evp = cpu::decode_padded(s.Ev);
-  dp.kv = cpu::kv_type_of(cache.dtype());
-  // The default scale as scaled_dot_product_attention applies it: 1 / float32(sqrt(E)).
-  const double scale = options.scale ? *options.scale
-                                     : 1.0 / static_cast<double>(static_cast<float>(std::sqrt(double(s.E))));
-  dp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
-  dp.causal = options.is_causal;
+  c.params = cpu::make_decode_params(s.E, s.Ev, cache.dtype(), s.scale, options.is_causal);
   c.q = q.raw_data();
   c.q_dtype = q.dtype();
   c.q_n = q.stride(0), c.q_i = q.stride(1), c.q_h = q.stride(2);

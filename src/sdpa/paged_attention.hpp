@@ -1,6 +1,6 @@
-// The argument checks of paged_attention (attn/kv_cache.hpp), apart from its body, so that every
-// implementation behind it (today's gather + scaled_dot_product_attention, the decode kernel that
-// reads the pages in place) refuses exactly the same calls with exactly the same errors.
+// The argument checks of paged_attention (attn/kv_cache.hpp), apart from its body (the split-KV
+// decode kernel reading the pages in place), so that they read as one list and a refused call
+// reads nothing.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@ namespace attn::detail {
 // The sizes of a checked call: query (N, L_q, H_q, E), output (N, L_q, H_q, Ev).
 struct PagedAttentionShape {
   int64_t N = 0, L_q = 0, H_q = 0, E = 0, Ev = 0;
-  double scale = 0.0;  // options.scale, or 1/sqrt(E)
+  double scale = 0.0;  // options.scale, or 1 / float32(sqrt(E)) as scaled_dot_product_attention
 };
 
 inline constexpr int64_t kMaxPagedQueries = 16;

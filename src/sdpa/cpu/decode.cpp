@@ -28,11 +28,19 @@ constexpr int64_t kMinSplit = 512;
 constexpr int64_t kTargetItems = 64;
 
 struct Item {
-  int64_t n, kvh, j0, j1;
-  int64_t part;  // index of its partial (m, l, acc) block
+  int64_t n, kvh, j0, j1;  // item t leaves its partial (m, l, acc) in block t of `parts`
 };
 
 }  // namespace
+
+DecodeParams make_decode_params(int64_t E, int64_t Ev, DType kv_dtype, double scale, bool causal) {
+  DecodeParams dp;
+  dp.E = E, dp.Ev = Ev, dp.Ep = decode_padded(E), dp.Evp = decode_padded(Ev);
+  dp.kv = kv_type_of(kv_dtype);
+  dp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  dp.causal = causal;
+  return dp;
+}
 
 KvType kv_type_of(DType dtype) {
   switch (dtype) {
@@ -60,7 +68,7 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
       int64_t len = std::max(kMinSplit, (S + per - 1) / per);
       len = (len + 63) / 64 * 64;
       for (int64_t j0 = 0; j0 < S; j0 += len) {
-        items.push_back({n, kvh, j0, std::min(S, j0 + len), static_cast<int64_t>(items.size())});
+        items.push_back({n, kvh, j0, std::min(S, j0 + len)});
       }
     }
   }
@@ -93,7 +101,7 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
           }
         }
       }
-      float* part = parts.data() + it.part * part_floats;
+      float* part = parts.data() + static_cast<int64_t>(t) * part_floats;
       const DecodeItem di{qrows.data(), pos.data(), mask.data(), R, it.j0, it.j1,
                           part, part + R, part + 2 * R};
       kernel.split(p, c.kv[it.n * c.heads_kv + it.kvh], di, ws.data());
@@ -180,10 +188,7 @@ SdpaResult decode_forward(const DecodeKernel& kernel, const TensorView& q_in, co
   c.heads_kv = p.heads_kv;
   c.L = p.L;
   DecodeParams& dp = c.params;
-  dp.E = p.E, dp.Ev = p.Ev, dp.Ep = decode_padded(p.E), dp.Evp = decode_padded(p.Ev);
-  dp.kv = kv_type_of(p.kv_dtype);
-  dp.scale_log2 = static_cast<float>(flash_softmax_scale(p) * std::numbers::log2e);
-  dp.causal = p.causal;
+  dp = make_decode_params(p.E, p.Ev, p.kv_dtype, flash_softmax_scale(p), p.causal);
 
   c.q = q.raw_data();
   c.q_dtype = p.dtype;

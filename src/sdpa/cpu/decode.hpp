@@ -42,6 +42,8 @@ struct DecodeCall {
 void run_decode(const DecodeKernel& kernel, const DecodeCall& call);
 
 KvType kv_type_of(DType dtype);  // float32, bfloat16, float16 or int8
+// A call's constants: padded sizes, the element type, the softmax scale in base 2.
+DecodeParams make_decode_params(int64_t E, int64_t Ev, DType kv_dtype, double scale, bool causal);
 // E or Ev rounded up to the padding the kernels use.
 inline int64_t decode_padded(int64_t n) { return (n + 15) / 16 * 16; }
 
