@@ -21,8 +21,13 @@
 // weights) in the input dtype, LSE in float32; float64 is computed in float64 by the reference.
 // attn_mask may be boolean of any dtype or additive of any floating dtype.
 //
+// Variants (SdpaOptions' last block): sliding window, logit softcapping, ALiBi and learnable
+// sinks, with FlashAttention's semantics, in every kernel family, forward and backward (the
+// decode and bfloat16 kernels refuse the ones they lack, and the next kernel takes the call).
+//
 // Numerics policy: a query row whose every key is masked gets weights 0 and output 0 (PyTorch's
-// math path returns NaN there; a NaN would poison the rest of a model, so attn defines it).
+// math path returns NaN there; a NaN would poison the rest of a model, so attn defines it); its
+// LSE is -inf, or s_h with sinks.
 // NaN in an included score propagates.
 #pragma once
 
@@ -72,13 +77,27 @@ struct AttnMask {
 //               DropoutRng::kTorch), then the reference.
 enum class SdpaBackend { kAuto, kReference, kFused };
 
-// Where the diagonal of an is_causal mask sits when L != S.
+// Where query i sits among the keys when L != S: its aligned position is i' = i (kTopLeft) or
+// i' = i + S - L (kBottomRight). is_causal hides keys j > i'; the sliding window and ALiBi
+// measure from i' too, so the alignment applies to them whether or not is_causal is set (with
+// none of the three it is ignored).
 //   kTopLeft (PyTorch's is_causal): query i sees keys j <= i.
-//   kBottomRight (decoding with a KV cache): query i sees keys j <= i + (S - L), so the last
-//   query sees every key (PyTorch's causal_lower_right). With L > S the first L - S queries see
-//   no key: output 0, lse -inf (the fully-masked-row policy).
-// Only read when is_causal is true; without is_causal the alignment is ignored.
+//   kBottomRight (decoding with a KV cache; FlashAttention's only alignment): query i sees keys
+//   j <= i + (S - L), so the last query sees every key (PyTorch's causal_lower_right). With
+//   L > S the first L - S queries see no key: output 0, lse -inf (the fully-masked-row policy).
 enum class CausalAlignment { kTopLeft, kBottomRight };
+
+// A sliding window (FlashAttention's window_size): query i sees key j iff
+//   i' - left <= j <= i' + right        (i' as in CausalAlignment; -1 = unbounded on that side)
+// With is_causal the right side is also clipped at the diagonal (j <= i'). Hugging Face's
+// `sliding_window = w` (Mistral, Gemma: each token sees itself and the w - 1 before it) is
+// {w - 1, 0} with is_causal. Tiles wholly outside the band are skipped by the fused kernels, so
+// their cost grows with L * window, not L * S. Values below -1: ValueError.
+struct WindowSize {
+  int64_t left = -1;
+  int64_t right = -1;
+  bool unbounded() const { return left < 0 && right < 0; }
+};
 
 // Which random stream drops attention weights.
 //   kTorch:  PyTorch's CPU bernoulli stream from `generator`, in memory order of the (..., L, S)
@@ -110,6 +129,24 @@ struct SdpaOptions {
   // Empty: the backend family's highest-priority kernel that takes the call.
   std::string kernel;
   int num_threads = 0;                // fused kernel threads; 0 = OpenMP's default
+
+  // ---- variants (FlashAttention's semantics; all combine with each other and with the above) --
+  // The scores go through these steps, in this order, before the softmax:
+  //   x = scale * q.k;  x = softcap * tanh(x / softcap);  x -= slope_h * |i' - j|;  masks
+  // (is_causal, window_size, attn_mask: hidden keys get -inf and are never added).
+  WindowSize window_size;             // sliding window; {-1, -1} = none
+  // Logit softcapping (Gemma 2, Grok): > 0, applied to the scaled score before ALiBi and the
+  // masks; the backward goes through tanh. Unset = none; 0 or negative: ValueError.
+  std::optional<double> softcap;
+  // ALiBi (BLOOM, MPT): float32 slopes of shape (H) or (B, H) (H = query heads; 1 for 2-D
+  // inputs; (B, H) needs 4-D inputs); x -= slope * |i' - j|. Constants: no gradient.
+  std::optional<TensorView> alibi_slopes;
+  // Learnable attention sinks (gpt-oss): float32 logits of shape (H). Each row's softmax gets one
+  // more logit s_h, with no value, in the units of the final scores x (never capped, biased,
+  // masked or dropped):  p_ij = exp(x_ij) / (exp(s_h) + sum_k exp(x_ik)). The LSE includes it,
+  // so a row whose every key is masked has output 0 and LSE s_h. The backward returns
+  // d(sinks) = -sum_i p_i,sink * (dO_i . O_i) (summed over batch).
+  std::optional<TensorView> sinks;
 };
 
 struct SdpaResult {
@@ -148,6 +185,7 @@ struct SdpaGrads {
   Tensor grad_query;  // query's shape
   Tensor grad_key;    // key's shape (H_kv heads with GQA)
   Tensor grad_value;  // value's shape
+  Tensor grad_sinks;  // (H) when options.sinks (float32; float64 for float64 inputs), else undefined
 };
 
 SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
@@ -202,6 +240,7 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& query, const Te
 // kTorch dropout draws the mask from a copy of the generator state, as the forward does.
 struct SdpaGradsF64 {
   std::vector<double> grad_query, grad_key, grad_value;
+  std::vector<double> grad_sinks;  // (H) when options.sinks, else empty
 };
 SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& grad_output,
                                                        const TensorView& query,

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 #include <numbers>
+#include <string>
+#include <vector>
 #include <fmt/format.h>
 
 #include "attn/error.hpp"
@@ -19,7 +21,83 @@ bool broadcasts_to(const Shape& from, const Shape& to) {
   }
   return true;
 }
+
+// A per-head float32 parameter (ALiBi slopes, sinks): shape one of `allowed`, finite values.
+void check_head_param(const TensorView& t, const char* name, const std::vector<Shape>& allowed) {
+  std::string want;
+  for (const Shape& s : allowed) want += (want.empty() ? "" : " or ") + s.str();
+  if (!t.defined()) throw ValueError(fmt::format("scaled_dot_product_attention: {} is undefined", name));
+  if (t.dtype() != DType::kFloat32) {
+    throw DTypeError(fmt::format("scaled_dot_product_attention: {} must be float32 of shape {}, got {}",
+                                 name, want, dtype_name(t.dtype())));
+  }
+  bool ok = false;
+  for (const Shape& s : allowed) ok = ok || t.shape() == s;
+  if (!ok) {
+    throw ShapeError(fmt::format("scaled_dot_product_attention: {} must have shape {}, got {}", name,
+                                 want, t.shape().str()));
+  }
+  for_each_offset(t, [&](int64_t off) {
+    if (!std::isfinite(t.data()[off])) {
+      throw ValueError(fmt::format("scaled_dot_product_attention: {} must be finite, got {}", name,
+                                   t.data()[off]));
+    }
+  });
+}
+
+// The variants block of SdpaOptions, into p (whose shapes and alignment are already known).
+void check_variants(const SdpaOptions& o, SdpaProblem& p) {
+  const WindowSize& w = o.window_size;
+  if (w.left < -1 || w.right < -1) {
+    throw ValueError(fmt::format("scaled_dot_product_attention: window_size must be (left, right) "
+                                 "with each >= -1 (-1 = unbounded), got ({}, {})", w.left, w.right));
+  }
+  p.window_left = w.left;
+  p.window_right = w.right;
+  p.diag_offset = o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
+  if (o.softcap) {
+    if (!(*o.softcap > 0.0) || !std::isfinite(*o.softcap)) {
+      throw ValueError(fmt::format("scaled_dot_product_attention: softcap must be a finite value "
+                                   "> 0 (unset for none), got {}", *o.softcap));
+    }
+    p.softcap = *o.softcap;
+  }
+  if (o.alibi_slopes) {
+    std::vector<Shape> allowed{Shape{p.heads_q}};
+    if (p.lead.ndim() == 2) allowed.push_back(Shape{p.lead[0], p.heads_q});
+    check_head_param(*o.alibi_slopes, "alibi_slopes", allowed);
+    p.alibi = *o.alibi_slopes;
+  }
+  if (o.sinks) {
+    check_head_param(*o.sinks, "sinks", {Shape{p.heads_q}});
+    p.sinks = *o.sinks;
+  }
+}
 }  // namespace
+
+float SdpaProblem::alibi_slope(int64_t b) const {
+  if (!alibi.defined()) return 0.0f;
+  const int64_t h = b % heads_q;
+  if (alibi.dim() == 1) return alibi.data()[h * alibi.stride(0)];
+  return alibi.data()[(b / heads_q) * alibi.stride(0) + h * alibi.stride(1)];
+}
+
+std::string SdpaProblem::variants_used() const {
+  std::string s;
+  auto add = [&](bool on, const char* name) {
+    if (on) s += (s.empty() ? "" : ", ") + std::string(name);
+  };
+  add(window_left >= 0 || window_right >= 0, "window_size");
+  add(softcap > 0, "softcap");
+  add(alibi.defined(), "alibi_slopes");
+  add(sinks.defined(), "sinks");
+  return s;
+}
+
+float SdpaProblem::sink(int64_t b) const {
+  if (!sinks.defined()) return -std::numeric_limits<float>::infinity();
+  return sinks.data()[(b % heads_q) * sinks.stride(0)];
+}
 
 SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorView& v,
                        const SdpaOptions& o) {
@@ -160,6 +238,7 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
       p.mask = p.mask_storage->expand(target);
     }
   }
+  check_variants(o, p);
   return p;
 }
 

@@ -2,7 +2,9 @@
 // so each one rejects the same inputs with the same messages.
 #pragma once
 
+#include <limits>
 #include <memory>
+#include <string>
 
 #include "attn/dtype.hpp"
 #include "attn/sdpa.hpp"
@@ -49,6 +51,33 @@ struct SdpaProblem {
   // whenever causal is false (the alignment is ignored then).
   bool causal = false;
   int64_t causal_offset = 0;
+
+  // The variants (SdpaOptions' last block), validated. diag_offset places query i at
+  // i' = i + diag_offset for the window and ALiBi: S - L with kBottomRight (causal or not), else 0.
+  int64_t diag_offset = 0;
+  int64_t window_left = -1, window_right = -1;  // -1: unbounded on that side
+  double softcap = 0;                           // 0: none
+  TensorView alibi;  // float32 (H) or (B, H), or undefined
+  TensorView sinks;  // float32 (H), or undefined
+
+  // The keys query i sees by position (is_causal and the window; attn_mask aside): j in
+  // [key_lo(i), key_hi(i)], which may be empty or reach outside [0, S).
+  int64_t key_lo(int64_t i) const {
+    return window_left >= 0 ? i + diag_offset - window_left : std::numeric_limits<int64_t>::min() / 2;
+  }
+  int64_t key_hi(int64_t i) const {
+    int64_t hi = std::numeric_limits<int64_t>::max() / 2;
+    if (window_right >= 0) hi = i + diag_offset + window_right;
+    if (causal && i + causal_offset < hi) hi = i + causal_offset;
+    return hi;
+  }
+  bool banded() const { return causal || window_left >= 0 || window_right >= 0; }
+  // ALiBi slope and sink logit of query batch-head b (0 and -inf when unset).
+  float alibi_slope(int64_t b) const;
+  float sink(int64_t b) const;
+  // The variants this call uses, by option name ("window_size, softcap"), or "" for none: what a
+  // kernel that lacks them names when it refuses.
+  std::string variants_used() const;
 };
 // Validates the arguments and returns the problem description; throws attn::Error subclasses.
 SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -105,7 +105,8 @@ SdpaGrads reference_backward(const TensorView& dout, const TensorView& q, const 
   }
   const reference::SdpaGradsF64 g = reference::scaled_dot_product_attention_backward_f64(dout, q, k, v, options);
   return {f64_tensor(q.shape(), g.grad_query), f64_tensor(k.shape(), g.grad_key),
-          f64_tensor(v.shape(), g.grad_value)};
+          f64_tensor(v.shape(), g.grad_value),
+          g.grad_sinks.empty() ? Tensor() : f64_tensor({p.heads_q}, g.grad_sinks)};
 }
 
 // The float64 path draws kTorch dropout from a copy of the generator (it is the tests' truth),
@@ -163,6 +164,9 @@ std::string decode_why_not(const SdpaKernel&, const SdpaProblem& p, const SdpaOp
   }
   if (options.need_weights) return "need_weights is served by the cpu.flash kernels";
   if (options.dropout_p > 0.0f) return "dropout is served by the cpu.flash kernels (decoding is inference)";
+  if (std::string v = p.variants_used(); !v.empty()) {
+    return fmt::format("{} not in the decode kernel yet (served by the cpu.flash kernels)", v);
+  }
   return "";
 }
 
@@ -197,6 +201,9 @@ SdpaGrads decode_backward(const TensorView& dout, const TensorView& q, const Ten
 std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOptions& options) {
   if (std::string r = flash_why_not(k, p, options); !r.empty()) return r;
   if (options.need_weights) return "need_weights is served by the float32 kernels (widened)";
+  if (std::string v = p.variants_used(); !v.empty()) {
+    return fmt::format("{} is served by the float32 kernels (widened)", v);
+  }
   return "";
 }
 

@@ -33,6 +33,30 @@
 
 namespace attn::cpu {
 
+// d(sinks)_h = -sum over the rows of head h of p_sink * D, with p_sink = exp(s_h - lse) and
+// D = rowsum(dO * O) (the kernel's own D: the sink has no value, so D is its whole dP term).
+// Summed in float64 in row order: deterministic for any thread count.
+static Tensor sinks_grad(const detail::SdpaProblem& p, const TensorView& dout, const TensorView& out,
+                  const TensorView& lse) {
+  std::vector<double> acc(static_cast<size_t>(p.heads_q), 0.0);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const float* o = out.data() + detail::lead_offset(out, p.lead, b);
+    const float* d = dout.data() + detail::lead_offset(dout, p.lead, b);
+    const float* l = lse.data() + detail::lead_offset(lse, p.lead, b);
+    const double sink = p.sink(b);
+    double sum = 0.0;
+    for (int64_t i = 0; i < p.L; ++i) {
+      double dd = 0.0;
+      for (int64_t e = 0; e < p.Ev; ++e) dd += static_cast<double>(d[i * dout.stride(-2) + e]) * o[i * out.stride(-2) + e];
+      sum += std::exp(sink - static_cast<double>(l[i * lse.stride(-1)])) * dd;
+    }
+    acc[static_cast<size_t>(b % p.heads_q)] -= sum;
+  }
+  Tensor g = Tensor::empty({p.heads_q});
+  for (int64_t h = 0; h < p.heads_q; ++h) g.data()[h] = static_cast<float>(acc[static_cast<size_t>(h)]);
+  return g;
+}
+
 SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
                          const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
                          const SdpaResult& forward, const SdpaOptions& options,
@@ -43,7 +67,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
                    out = rows_contiguous(forward.output, os);
   const TensorView lse = forward.lse.is_contiguous() ? TensorView(forward.lse) : (ls = forward.lse.contiguous());
 
-  SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape())};
+  SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
 
   FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
   fp.guard_v = !all_finite(q) || !all_finite(k) || !all_finite(v) || !all_finite(dout);
@@ -92,6 +116,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
         h.dk = g.grad_key.data() + detail::kv_lead_offset(g.grad_key, p, b);
         h.dv = g.grad_value.data() + detail::kv_lead_offset(g.grad_value, p, b);
         h.bh = b;
+        h.alibi2 = p.alibi_slope(b) * std::numbers::log2e_v<float>;
         h.j_begin = split.begin(r, p.S);
         h.j_end = split.begin(r + 1, p.S);
         kernel.backward(fp, h, ws.data());
@@ -112,6 +137,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
       }
     }
   }
+  if (p.sinks.defined()) g.grad_sinks = sinks_grad(p, dout, out, lse);
   return g;
 }
 

@@ -50,7 +50,7 @@ inline int64_t backward_workspace_floats(int64_t L, int64_t E, int64_t Ev) {
          + 2 * lp                   // lse2, D
          + (E % W ? lp * ep : 0)    // padded Q rows
          + (Ev % W ? lp * evp : 0)  // padded dO rows
-         + 3 * kBK * kBQ            // S^T / P^T / dS^T, dP^T, P_d^T
+         + 4 * kBK * kBQ            // S^T / P^T / dS^T, dP^T, P_d^T, softcap's derivative
          + kKeyGroup * kBK * (ep + evp)  // dK, dV accumulators of a key group
          + kKeyGroup * kBK * ep;         // padded K rows
 }
@@ -158,7 +158,8 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
   float* st = tail;                  // kBK * kBQ: S^T, then P^T, then dS^T
   float* dpt = st + kBK * kBQ;       // dP^T
   float* pdt = dpt + kBK * kBQ;      // P_d^T (dropout only)
-  float* dkb = pdt + kBK * kBQ;              // kKeyGroup * kBK * ep
+  float* capg = pdt + kBK * kBQ;     // d(capped)/d(score) (softcap only)
+  float* dkb = capg + kBK * kBQ;             // kKeyGroup * kBK * ep
   float* dvb = dkb + kKeyGroup * kBK * ep;   // kKeyGroup * kBK * evp
   float* kpack = dvb + kKeyGroup * kBK * evp;  // kKeyGroup * kBK * ep
 
@@ -183,14 +184,17 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
   constexpr int64_t kGK = kKeyGroup * kBK;
   for (int64_t g0 = h.j_begin; g0 < h.j_end; g0 += kGK) {
     const int64_t ng = imin(kGK, h.j_end - g0);
-    // Causal: query i sees key j iff j <= i + offset, so the group is seen from row g0 - offset.
-    int64_t i_first = 0;
+    // Causal: query i sees key j iff j <= i + offset, so the group is seen from row g0 - offset;
+    // a window's left side: iff j >= i + lo_offset, so up to row g0 + ng - 1 - lo_offset.
+    int64_t i_first = 0, i_end = L;
     if (p.causal) {
       i_first = g0 - p.causal_offset;
       if (i_first >= L) break;  // later keys are hidden from every query
       if (i_first < 0) i_first = 0;
       i_first = i_first / kBQ * kBQ;
     }
+    if (p.band_lo) i_end = imin(L, g0 + ng - p.lo_offset);
+    if (i_end <= i_first) continue;  // the band misses this group
     zero(dkb, kGK * ep);
     zero(dvb, kGK * evp);
     const float* krows = h.k + g0 * p.k_row;
@@ -199,11 +203,12 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
       pack_rows(krows, p.k_row, ng, E, ep, kpack);
       krows = kpack, k_ld = ep;
     }
-    for (int64_t i0 = i_first; i0 < L; i0 += kBQ) {
+    for (int64_t i0 = i_first; i0 < i_end; i0 += kBQ) {
       FlashBlock b{};
       b.i0 = i0;
       b.nq = imin(kBQ, L - i0);
       b.bh = h.bh;
+      b.alibi2 = h.alibi2;
       if (h.mask != nullptr) b.mask = h.mask + i0 * p.mask_row;
       const float* qtb = qt + i0 * E;
       const float* dotb = dot + i0 * Ev;
@@ -212,8 +217,10 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
       for (int64_t j0 = g0; j0 < g0 + ng; j0 += kBK) {
         if (p.causal && j0 > i0 + b.nq - 1 + p.causal_offset) break;  // hidden from the block
         const int64_t nk = imin(kBK, g0 + ng - j0), kk = j0 - g0;
+        if (p.band_lo && j0 + nk - 1 < i0 + p.lo_offset) continue;  // below the block's band
 
         scores_block(qtb, h.k, p.k_row, E, j0, nk, p.scale_log2, st, kBwdEChunk);
+        modify_block(p, b, j0, nk, st, p.softcap2 > 0.0f ? capg : nullptr);
         mask_block(p, b, j0, nk, st);
         for (int64_t jj = 0; jj < nk; ++jj) {
           const vf x0 = load(st + jj * kBQ) - l0, x1 = load(st + jj * kBQ + W) - l1;
@@ -233,7 +240,8 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
         for (int64_t jj = 0; jj < nk; ++jj) {
           for (int hh = 0; hh < 2; ++hh) {
             const vf pv = load(st + jj * kBQ + hh * W), dp = load(dpt + jj * kBQ + hh * W);
-            const vf ds = pv * (dp - (hh == 0 ? d0 : d1)) * scale;
+            vf ds = pv * (dp - (hh == 0 ? d0 : d1)) * scale;
+            if (p.softcap2 > 0.0f) ds *= load(capg + jj * kBQ + hh * W);
             store(st + jj * kBQ + hh * W, pv == 0.0f ? splat(0.0f) : ds);
           }
         }

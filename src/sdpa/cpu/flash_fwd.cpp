@@ -51,6 +51,8 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
     blk.i0 = i0;
     blk.nq = std::min<int64_t>(kernel.block_q, p.L - i0);
     blk.bh = b;
+    blk.alibi2 = p.alibi_slope(b) * std::numbers::log2e_v<float>;
+    blk.sink2 = p.sink(b) * std::numbers::log2e_v<float>;  // -inf stays -inf: no sink
     blk.q = q.data() + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
     blk.k = k.data() + detail::kv_lead_offset(k, p, b);
     blk.v = v.data() + detail::kv_lead_offset(v, p, b);

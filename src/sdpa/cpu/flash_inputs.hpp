@@ -46,8 +46,19 @@ inline FlashParams make_flash_params(const detail::SdpaProblem& p, const SdpaOpt
   fp.q_row = q.stride(-2), fp.k_row = k.stride(-2), fp.v_row = v.stride(-2);
   fp.o_row = p.Ev;  // the forward's output is allocated contiguous
   fp.scale_log2 = static_cast<float>(flash_softmax_scale(p) * std::numbers::log2e);
-  fp.causal = p.causal;
-  fp.causal_offset = p.causal_offset;
+  // The band: is_causal and the window's right side both bound j from above (the tighter
+  // wins), the window's left side from below.
+  if (p.causal || p.window_right >= 0) {
+    fp.causal = true;
+    fp.causal_offset = p.key_hi(0);
+  }
+  if (p.window_left >= 0) {
+    fp.band_lo = true;
+    fp.lo_offset = p.key_lo(0);
+  }
+  fp.softcap2 = static_cast<float>(p.softcap * std::numbers::log2e);
+  fp.alibi = p.alibi.defined();
+  fp.diag_offset = p.diag_offset;
   if (p.mask.defined()) {
     fp.mask_row = p.mask.stride(-2);
     fp.mask_col = p.mask.stride(-1);

@@ -17,6 +17,12 @@
 // Memory traffic per block: K and V of the head stream through once; nothing of size L x S
 // is ever stored (except the weights a caller asked for in the second pass).
 //
+// Variants (SdpaOptions' window_size, softcap, alibi_slopes, sinks): softcap and ALiBi act on
+// each S^T tile after the scale (modify_block), the band of is_causal and the window is a lane
+// comparison per key row (mask_block), and key blocks wholly outside a query block's band are
+// never visited, so a sliding window costs L * window, not L * S. A sink starts the running max
+// at s_h with sum 1: one more logit with no value.
+//
 // Numerics: scores are base-2 (exp2 of scaled scores); a row with no visible key ends with
 // l = 0 and gets output 0 and LSE -inf; masked positions are assigned -inf (never added), so
 // NaN/Inf in an excluded key cannot leak; with guard_v a zero weight never multiplies V.
@@ -80,6 +86,28 @@ inline vf exp2v(vf x) {
   return x != x ? x : r;
 }
 
+// tanh(y) to a few ulp: an odd Taylor polynomial below |y| = 0.5 (degree 17: truncation
+// < 1e-9 relative), (1 - e) / (1 + e) with e = exp(-2|y|) above, where no cancellation can occur
+// (e <= 0.37). NaN stays NaN; +-inf gives +-1.
+inline vf tanhv(vf y) {
+  const vf a = y < 0.0f ? -y : y;
+  const vf y2 = y * y;
+  vf p = splat(-2.3912911424355248e-04f);
+  p = p * y2 + 5.9002744094558600e-04f;
+  p = p * y2 - 1.4558343870513183e-03f;
+  p = p * y2 + 3.5921280365724810e-03f;
+  p = p * y2 - 8.8632355299021966e-03f;
+  p = p * y2 + 2.1869488536155203e-02f;
+  p = p * y2 - 5.3968253968253968e-02f;
+  p = p * y2 + 1.3333333333333333e-01f;
+  p = p * y2 - 3.3333333333333333e-01f;
+  const vf small = y + y * y2 * p;
+  const vf e = exp2v(a * (-2.0f * std::numbers::log2e_v<float>));
+  const vf big = (1.0f - e) / (1.0f + e);
+  const vf signed_big = y < 0.0f ? -big : big;
+  return a < 0.5f ? small : signed_big;
+}
+
 inline int64_t workspace_floats(int64_t E, int64_t Ev) {
   const int64_t evp = (Ev + W - 1) / W * W;
   return E * kBQ + kBK * kBQ + kBQ * evp + kBK * evp + 4 * kBQ;
@@ -128,8 +156,49 @@ inline void scores_block(const float* qt, const float* k, int64_t k_row, int64_t
   for (int64_t i = 0; i < nk * kBQ; i += W) store(st + i, load(st + i) * scale_log2);
 }
 
-// Applies the causal and explicit masks to S^T (assigning -inf), in place.
+// The variants on S^T (base-2 scaled scores), in place and in FlashAttention's order: softcap
+// x = c2 tanh(x / c2), then ALiBi x -= slope2 |i + diag_offset - j|. With `cap_grad`, the
+// softcap's derivative 1 - tanh^2 per element goes there (the backward's chain through tanh).
+inline void modify_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* st,
+                         float* cap_grad = nullptr) {
+  if (p.softcap2 > 0.0f) {
+    const float c = p.softcap2, inv_c = 1.0f / p.softcap2;
+    for (int64_t x = 0; x < nk * kBQ; x += W) {
+      const vf t = tanhv(load(st + x) * inv_c);
+      store(st + x, t * c);
+      if (cap_grad != nullptr) store(cap_grad + x, 1.0f - t * t);
+    }
+  }
+  if (p.alibi && b.alibi2 != 0.0f) {
+    vf lane_i;
+    for (int l = 0; l < W; ++l) lane_i[l] = static_cast<float>(l);
+    const vf slope = splat(b.alibi2);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      const float base = static_cast<float>(b.i0 + p.diag_offset - (j0 + jj));  // lane 0's i' - j
+      for (int h = 0; h < 2; ++h) {
+        const vf d = lane_i + (base + static_cast<float>(h * W));
+        const vf dist = d < 0.0f ? -d : d;
+        store(st + jj * kBQ + h * W, load(st + jj * kBQ + h * W) - slope * dist);
+      }
+    }
+  }
+}
+
+// Applies the band (is_causal, window) and explicit masks to S^T (assigning -inf), in place.
 inline void mask_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* st) {
+  if (p.band_lo && j0 < b.i0 + kBQ - 1 + p.lo_offset) {
+    // Key j is hidden from query i when j < i + lo_offset: lane q when q > j - lo_offset - i0.
+    vf lane_i;
+    for (int l = 0; l < W; ++l) lane_i[l] = static_cast<float>(l);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      const float limit = static_cast<float>(j0 + jj - p.lo_offset - b.i0);
+      for (int h = 0; h < 2; ++h) {
+        const vf qidx = lane_i + static_cast<float>(h * W);
+        const vf s = load(st + jj * kBQ + h * W);
+        store(st + jj * kBQ + h * W, qidx > limit ? splat(kNegInf) : s);
+      }
+    }
+  }
   if (p.causal) {
     // Key j is hidden from query i when j > i + offset; only blocks crossing the diagonal need it.
     const int64_t first_hidden_row = b.i0 + p.causal_offset + 1;  // smallest j hidden from row i0
@@ -230,19 +299,25 @@ inline void forward_block(const FlashParams& p, const FlashBlock& b, float* ws) 
     }
   }
   zero(ob, kBQ * evp);
-  vf m[2] = {splat(kNegInf), splat(kNegInf)}, l[2] = {splat(0.0f), splat(0.0f)};
+  // A sink is one more logit with no value: the running max starts at it with sum exp2(0) = 1.
+  const bool sink = b.sink2 != kNegInf;
+  vf m[2] = {splat(b.sink2), splat(b.sink2)};
+  vf l[2] = {splat(sink ? 1.0f : 0.0f), splat(sink ? 1.0f : 0.0f)};
 
-  // Keys beyond the last query's causal limit are hidden from the whole block.
-  int64_t s_end = p.S;
+  // Keys outside the band of every query of the block (beyond the last query's upper limit,
+  // before the first query's lower one) are skipped: the cost grows with the band, not S.
+  int64_t s_end = p.S, s_begin = 0;
   if (p.causal) {
     s_end = imin(b.i0 + b.nq + p.causal_offset, p.S);
     if (s_end < 0) s_end = 0;
   }
+  if (p.band_lo && b.i0 + p.lo_offset > 0) s_begin = b.i0 + p.lo_offset;
   const bool pack_v = p.Ev % W != 0;
 
-  for (int64_t j0 = 0; j0 < s_end; j0 += kBK) {
+  for (int64_t j0 = s_begin; j0 < s_end; j0 += kBK) {
     const int64_t nk = imin(kBK, s_end - j0);
     scores_block(qt, b.k, p.k_row, p.E, j0, nk, p.scale_log2, st);
+    modify_block(p, b, j0, nk, st);
     mask_block(p, b, j0, nk, st);
 
     // Online softmax, lane-wise: new max, rescale factor, probabilities, row sums.
@@ -324,6 +399,7 @@ inline void weights_block(const FlashParams& p, const FlashBlock& b, float* ws) 
   for (int64_t j0 = 0; j0 < p.S; j0 += kBK) {
     const int64_t nk = imin(kBK, p.S - j0);
     scores_block(qt, b.k, p.k_row, p.E, j0, nk, p.scale_log2, st);
+    modify_block(p, b, j0, nk, st);
     mask_block(p, b, j0, nk, st);
     for (int64_t jj = 0; jj < nk; ++jj) {
       for (int h = 0; h < 2; ++h) {

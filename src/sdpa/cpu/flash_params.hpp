@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 namespace attn::cpu {
 
@@ -14,8 +15,19 @@ struct FlashParams {
   int64_t q_row = 0, k_row = 0, v_row = 0, o_row = 0;  // element stride between rows
 
   float scale_log2 = 0;   // softmax scale times log2(e): scores are kept in base 2
+  // The band of keys a query sees by position (is_causal and window_size, combined): key j is
+  // hidden from query i when j > i + causal_offset (if `causal`: is_causal, or a window's right
+  // side) or j < i + lo_offset (if band_lo: a window's left side).
   bool causal = false;
-  int64_t causal_offset = 0;  // key j is visible to query i iff j <= i + causal_offset
+  int64_t causal_offset = 0;
+  bool band_lo = false;
+  int64_t lo_offset = 0;
+
+  // Variants, in base-2 units like the scores: softcap2 = softcap * log2(e) (0: none), then
+  // ALiBi x -= slope2 * |i + diag_offset - j| when alibi (the slope is per head: FlashBlock).
+  float softcap2 = 0;
+  bool alibi = false;
+  int64_t diag_offset = 0;
 
   const float* mask = nullptr;      // per (b): mask[i * mask_row + j * mask_col], or nullptr
   int64_t mask_row = 0, mask_col = 0;
@@ -43,6 +55,8 @@ struct FlashBlock {
   const float* mask;  // the (i0, 0) element of this head's mask, or nullptr
   int64_t i0, nq;   // first query index and number of queries
   int64_t bh;       // flat batch*head index (dropout counter)
+  float alibi2 = 0;  // this head's ALiBi slope times log2(e)
+  float sink2 = -std::numeric_limits<float>::infinity();  // its sink logit times log2(e), or none
 };
 
 // One query head of the backward pass over one key range (flash_bwd_kernel.hpp): its inputs,
@@ -64,6 +78,7 @@ struct FlashBwdHead {
   float* dk;          // (S, E), row stride E
   float* dv;          // (S, Ev), row stride Ev
   int64_t bh;         // flat batch*head index of the query head (dropout counter)
+  float alibi2;       // the query head's ALiBi slope times log2(e) (0: none)
   int64_t j_begin, j_end;  // the key range; j_begin a multiple of the kernel's key group
 };
 

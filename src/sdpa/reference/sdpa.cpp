@@ -121,7 +121,7 @@ SdpaResult sdpa_forward(const TensorView& query, const TensorView& key, const Te
       mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(nd - 2);
       mstride = p.mask.stride(nd - 1);
     }
-    const float row_lse = detail::attention_row(weights.data() + r * p.S, p, i, mrow, mstride);
+    const float row_lse = detail::attention_row(weights.data() + r * p.S, p, b, i, mrow, mstride);
     if (lse.defined()) lse.data()[r] = row_lse;
   }
   if (p.dropout_p > 0.0f) {

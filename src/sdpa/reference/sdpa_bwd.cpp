@@ -62,12 +62,15 @@ void matmul_acc(const Tensor& a, const TensorView& b, float* c, bool skip_zeros)
 SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
                         const detail::SdpaProblem& p) {
-  SdpaGrads g{Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape())};
+  SdpaGrads g{Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
   const bool guard = !all_finite(q) || !all_finite(k) || !all_finite(v);
   const bool philox = p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kPhilox;
   const bool torch_drop = p.dropout_p > 0.0f && !philox;
   const float inv_keep = p.dropout_p < 1.0f ? 1.0f / (1.0f - p.dropout_p) : 0.0f;
   std::vector<uint8_t> keep(static_cast<size_t>(p.S), 1);
+  std::vector<float> cap_grad(static_cast<size_t>(p.S));
+  // d(sinks)_h = -sum over rows of head h of p_sink * delta, p_sink = exp(s_h - lse).
+  std::vector<double> dsinks(p.sinks.defined() ? static_cast<size_t>(p.heads_q) : 0, 0.0);
 
   for (int64_t b = 0; b < p.batch; ++b) {
     const TensorView qb = head(q, p, b, false), kb = head(k, p, b, true), vb = head(v, p, b, true);
@@ -83,7 +86,7 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
         mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(-2);
         mstride = p.mask.stride(-1);
       }
-      detail::attention_row(prow, p, i, mrow, mstride);
+      const float lse = detail::attention_row(prow, p, b, i, mrow, mstride, cap_grad.data());
       if (philox) {
         philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b, i, p.dropout_p, keep);
       } else if (torch_drop) {
@@ -100,8 +103,11 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
         dprow[j] = kept ? dprow[j] * scale : 0.0f;
         if (prow[j] != 0.0f) delta += static_cast<double>(prow[j]) * dprow[j];
       }
+      if (!dsinks.empty()) {
+        dsinks[static_cast<size_t>(b % p.heads_q)] -= std::exp(static_cast<double>(p.sink(b)) - lse) * delta;
+      }
       for (int64_t j = 0; j < p.S; ++j) {
-        float ds = prow[j] == 0.0f ? 0.0f : prow[j] * (dprow[j] - static_cast<float>(delta));
+        float ds = prow[j] == 0.0f ? 0.0f : prow[j] * (dprow[j] - static_cast<float>(delta)) * cap_grad[static_cast<size_t>(j)];
         dprow[j] = p.divide ? ds / p.divisor : ds * static_cast<float>(p.scale);
       }
     }
@@ -111,6 +117,10 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
     matmul_acc(dp, kb, dq, guard);
     matmul_acc(dp.t().contiguous(), qb, dk, guard);
     matmul_acc(pd.t().contiguous(), dob, dv, guard);
+  }
+  if (!dsinks.empty()) {
+    g.grad_sinks = Tensor::empty({p.heads_q});
+    for (int64_t h = 0; h < p.heads_q; ++h) g.grad_sinks.data()[h] = static_cast<float>(dsinks[static_cast<size_t>(h)]);
   }
   return g;
 }

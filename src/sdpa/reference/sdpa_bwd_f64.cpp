@@ -57,6 +57,8 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
   const double inv_keep = p.dropout_p < 1.0f ? 1.0 / (1.0 - static_cast<double>(p.dropout_p)) : 0.0;
   std::vector<uint8_t> keep(static_cast<size_t>(p.S), 1);
   std::vector<double> prow(static_cast<size_t>(p.S)), dprow(static_cast<size_t>(p.S));
+  std::vector<double> cap_grad(static_cast<size_t>(p.S));
+  if (p.sinks.defined()) g.grad_sinks.assign(static_cast<size_t>(p.heads_q), 0.0);
 
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t qo = detail::lead_offset(q, p.lead, b), ko = detail::kv_lead_offset(k, p, b);
@@ -76,7 +78,7 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
         mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(-2);
         mstride = p.mask.stride(-1);
       }
-      detail::attention_row(prow.data(), p, i, mrow, mstride);
+      const double lse = detail::attention_row(prow.data(), p, b, i, mrow, mstride, cap_grad.data());
       if (philox) {
         philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b, i, p.dropout_p, keep);
       } else if (p.dropout_p > 0.0f) {
@@ -98,11 +100,14 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
           delta += prow[js] * dprow[js];
         }
       }
+      if (!g.grad_sinks.empty()) {
+        g.grad_sinks[static_cast<size_t>(b % p.heads_q)] -= std::exp(static_cast<double>(p.sink(b)) - lse) * delta;
+      }
       const double sc = p.divide ? 1.0 / std::sqrt(static_cast<double>(p.E)) : p.scale;
       for (int64_t j = 0; j < p.S; ++j) {
         const size_t js = static_cast<size_t>(j);
         if (prow[js] == 0.0) continue;
-        const double ds = prow[js] * (dprow[js] - delta) * sc;
+        const double ds = prow[js] * (dprow[js] - delta) * cap_grad[js] * sc;
         for (int64_t e = 0; e < p.E; ++e) {
           dq[i * p.E + e] += ds * at(k, ko, j, e);
           dk[j * p.E + e] += ds * at(q, qo, i, e);

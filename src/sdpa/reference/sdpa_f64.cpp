@@ -64,7 +64,7 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const Ten
         mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(nd - 2);
         mstride = p.mask.stride(nd - 1);
       }
-      const double row_lse = detail::attention_row(row, p, i, mrow, mstride);
+      const double row_lse = detail::attention_row(row, p, b, i, mrow, mstride);
       if (!r.lse.empty()) r.lse[static_cast<size_t>(b * p.L + i)] = row_lse;
       const double inv_keep = p.dropout_p == 1.0f ? 0.0 : 1.0 / (1.0 - static_cast<double>(p.dropout_p));
       if (!keep.empty()) {

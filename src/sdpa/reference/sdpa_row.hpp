@@ -11,23 +11,40 @@
 
 namespace attn::detail {
 
-// row[0..S) holds q_i . k_j on entry and the attention weights on exit (before dropout).
-// mask_row is the (possibly strided) mask row for query i, or nullptr. The causal mask comes
-// from p (p.causal, p.causal_offset: key j > i + causal_offset is masked).
-// Returns the row's log-sum-exp of the scaled, masked scores, max + log(sum exp(s - max)):
-// -inf when every key is masked, NaN when the row has a NaN score.
+// row[0..S) holds q_i . k_j on entry and the attention weights on exit (before dropout), for
+// query i of batch-head b. Per key, in FlashAttention's order: scale, softcap, ALiBi, then the
+// masks (is_causal and window_size from p: keys outside [p.key_lo(i), p.key_hi(i)]; the
+// explicit mask: mask_row, possibly strided, for query i, or nullptr). With sinks the row's
+// softmax has one more logit s_h with no value.
+// cap_grad, if not null, receives d(capped score)/d(scaled score) = 1 - tanh^2 per key (1
+// without softcap): the backward's chain through tanh.
+// Returns the row's log-sum-exp, max + log(sum exp(s - max)) (the sink included): -inf when
+// every key is masked and there is no sink, NaN when the row has a NaN score.
 template <typename T>
-T attention_row(T* row, const SdpaProblem& p, int64_t i, const float* mask_row,
-                int64_t mask_stride) {
+T attention_row(T* row, const SdpaProblem& p, int64_t b, int64_t i, const float* mask_row,
+                int64_t mask_stride, T* cap_grad = nullptr) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   // float32 divides by sqrt(E) rounded to float (PyTorch's `scores / d_k**0.5`); the float64
   // truth divides by sqrt(E) in double, so it carries no float32 rounding of the scale.
   const T divisor = std::is_same_v<T, float> ? static_cast<T>(p.divisor)
                                              : static_cast<T>(std::sqrt(static_cast<double>(p.E)));
-  T mx = neg_inf;
+  const T cap = static_cast<T>(p.softcap);
+  const T slope = static_cast<T>(p.alibi_slope(b));
+  const int64_t lo = p.key_lo(i), hi = p.key_hi(i), pos = i + p.diag_offset;
+  const bool has_sink = p.sinks.defined();
+  const T sink = static_cast<T>(p.sink(b));
+  T mx = has_sink ? sink : neg_inf;
   for (int64_t j = 0; j < p.S; ++j) {
     T s = p.divide ? row[j] / divisor : row[j] * static_cast<T>(p.scale);
-    if (p.causal && j > i + p.causal_offset) s = neg_inf;
+    if (p.softcap > 0) {
+      const T t = std::tanh(s / cap);
+      s = cap * t;
+      if (cap_grad != nullptr) cap_grad[j] = T(1) - t * t;
+    } else if (cap_grad != nullptr) {
+      cap_grad[j] = T(1);
+    }
+    if (slope != T(0)) s -= slope * static_cast<T>(pos > j ? pos - j : j - pos);
+    if (j < lo || j > hi) s = neg_inf;
     if (mask_row != nullptr) {
       const float m = mask_row[j * mask_stride];
       if (p.mask_is_bool) {
@@ -43,7 +60,7 @@ T attention_row(T* row, const SdpaProblem& p, int64_t i, const float* mask_row,
     for (int64_t j = 0; j < p.S; ++j) row[j] = T(0);
     return neg_inf;  // log(0): the row has no probability mass
   }
-  T sum = 0;
+  T sum = has_sink ? std::exp(sink - mx) : T(0);
   for (int64_t j = 0; j < p.S; ++j) {
     row[j] = std::exp(row[j] - mx);
     sum += row[j];
