@@ -73,8 +73,13 @@ std::string shape_text(const BenchConfig& c) {
 // ", not causal", ", causal" (top-left: the text before --causal-align existed) or
 // ", causal (bottom-right)".
 std::string causal_text(const BenchConfig& c) {
-  if (!c.causal) return ", not causal";
-  return c.causal_align == "bottom-right" ? ", causal (bottom-right)" : ", causal";
+  std::string s = !c.causal ? ", not causal"
+                  : c.causal_align == "bottom-right" ? ", causal (bottom-right)" : ", causal";
+  if (c.window_left >= 0 || c.window_right >= 0) s += fmt::format(", window ({}, {})", c.window_left, c.window_right);
+  if (c.softcap) s += fmt::format(", softcap {}", *c.softcap);
+  if (c.alibi) s += ", alibi";
+  if (c.sinks) s += ", sinks";
+  return s;
 }
 
 std::string mib_text(int64_t bytes) {
@@ -178,8 +183,17 @@ std::optional<std::string> validate(const BenchConfig& c) {
   if (c.causal_align != "top-left" && c.causal_align != "bottom-right") {
     return fmt::format("--causal-align must be top-left or bottom-right (got '{}')", c.causal_align);
   }
-  if (c.causal_align == "bottom-right" && !c.causal) {
-    return "--causal-align bottom-right needs --causal";
+  const bool windowed = c.window_left >= 0 || c.window_right >= 0;
+  if (c.causal_align == "bottom-right" && !c.causal && !windowed && !c.alibi) {
+    return "--causal-align bottom-right needs --causal, a window or --alibi (it places their diagonal)";
+  }
+  if (c.window_left < -1 || c.window_right < -1) {
+    return fmt::format("--window-left and --window-right must be -1 (unbounded) or more (got {}, {})",
+                       c.window_left, c.window_right);
+  }
+  if (c.softcap && !(*c.softcap > 0.0)) return fmt::format("--softcap must be > 0 (got {})", *c.softcap);
+  if (c.page_size > 0 && (windowed || c.softcap || c.alibi || c.sinks)) {
+    return "--page-size does not take the variant flags yet (--window-*, --softcap, --alibi, --sinks)";
   }
   if (!c.kernel.empty()) {
     std::string names;
@@ -209,10 +223,27 @@ CausalAlignment alignment_of(const std::string& causal_align) {
   return causal_align == "bottom-right" ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
 }
 
+// (query, key) pairs inside a sliding window (and the causal diagonal), counted row by row.
+double band_pairs(const BenchConfig& c) {
+  const int64_t L = c.seq, S = c.seq_kv_or_default();
+  const int64_t off = alignment_of(c.causal_align) == CausalAlignment::kBottomRight ? S - L : 0;
+  double pairs = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    int64_t lo = 0, hi = S - 1;
+    if (c.window_left >= 0) lo = std::max<int64_t>(lo, i + off - c.window_left);
+    if (c.window_right >= 0) hi = std::min<int64_t>(hi, i + off + c.window_right);
+    if (c.causal) hi = std::min<int64_t>(hi, i + off);
+    if (hi >= lo) pairs += static_cast<double>(hi - lo + 1);
+  }
+  return pairs;
+}
+
 double attention_flops(const BenchConfig& c) {
   const double L = static_cast<double>(c.seq), S = static_cast<double>(c.seq_kv_or_default());
   double pairs = L * S;
-  if (c.causal) {
+  if (c.window_left >= 0 || c.window_right >= 0) {
+    pairs = band_pairs(c);
+  } else if (c.causal) {
     if (c.seq == c.seq_kv_or_default()) {
       pairs = L * S / 2.0;  // FlashAttention's convention
     } else if (alignment_of(c.causal_align) == CausalAlignment::kTopLeft) {
@@ -308,6 +339,20 @@ BenchResult run_bench(const BenchConfig& c) {
   options.backend = backend_of(c.impl);
   options.kernel = c.kernel;
   options.num_threads = threads;
+  options.window_size = {c.window_left, c.window_right};
+  options.softcap = c.softcap;
+  Tensor slopes, sinks;
+  if (c.alibi) {
+    slopes = Tensor::empty({c.heads});
+    for (int64_t h = 0; h < c.heads; ++h) {
+      slopes.data()[h] = std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(c.heads));
+    }
+    options.alibi_slopes = slopes;
+  }
+  if (c.sinks) {
+    sinks = randn({c.heads}, gen);
+    options.sinks = sinks;
+  }
   // Which kernel the timed calls run; throws (before any timing) as the call would. K/V in another
   // dtype than q is the flags' choice: the library refusing it is a usage error.
   try {
@@ -424,7 +469,8 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
       "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}], "
-      "\"kv_dtype\": {}, \"causal_align\": {}, \"page_size\": {}{}}}\n",
+      "\"kv_dtype\": {}, \"causal_align\": {}, \"page_size\": {}, \"window_left\": {}, "
+      "\"window_right\": {}, \"softcap\": {}, \"alibi\": {}, \"sinks\": {}{}}}\n",
       json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
@@ -432,7 +478,8 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
       json_string(r.blas_core), json_string(r.blas_config),
       r.openblas_coretype.empty() ? "null" : json_string(r.openblas_coretype), json_string(r.simd),
       json_string(r.cpu), json_times(r.times_ms), json_string(c.kv_dtype_or_default()),
-      json_string(c.causal_align), c.page_size, decode);
+      json_string(c.causal_align), c.page_size, c.window_left, c.window_right,
+      c.softcap ? json_number(*c.softcap, 6) : "null", c.alibi, c.sinks, decode);
 }
 
 std::string format_table(const BenchConfig& c, const BenchResult& r) {

@@ -4,6 +4,7 @@
 // FLOPs are counted as FlashAttention's benchmarks count them: 4 * B * H * L * S * E (two
 // matmuls, 2 flops per multiply-add), halved when causal. With L != S the causal count is the
 // exact number of (query, key) pairs the top-left mask keeps, which is L * S / 2 for L == S.
+// With a sliding window the count is the exact number of pairs inside the band.
 // With --backward the timed call is scaled_dot_product_attention_backward (after one untimed
 // forward that saves the output and LSE) and the count is 2.5x the forward's (five matmuls).
 //
@@ -49,6 +50,12 @@ struct BenchConfig {
   std::optional<std::string> kv_dtype;  // f32 | bf16 | f16 (| int8 with page_size): k, v (default: dtype)
   int64_t page_size = 0;  // > 0: K/V in an attn::PagedKvCache of such pages, read by paged_attention
   bool backward = false;            // time the backward pass
+  // The variants (SdpaOptions): a sliding window (-1 = unbounded side), softcapping, ALiBi
+  // slopes 2^(-8 (h + 1) / H) (BLOOM's), learnable sinks (random logits).
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  bool alibi = false;
+  bool sinks = false;
   bool json = false;
   bool peak_only = false;
 

@@ -85,6 +85,7 @@ int run(int argc, char** argv) {
   int64_t kv_heads = 0, seq_kv = 0;
   int threads = 0;
   std::string kv_dtype;
+  double softcap = 0.0;
   CLI::App* bench = app.add_subcommand(
       "bench",
       "Time scaled_dot_product_attention on random q (B, H, L, E) and k, v (B, Hkv, S, E):\n"
@@ -134,6 +135,15 @@ int run(int argc, char** argv) {
                     "Decode from a paged KV cache (attn::PagedKvCache, pages of this many tokens, "
                     "the sequences' pages interleaved in the pool) through paged_attention; "
                     "--kv-dtype may then also be int8");
+  bench->add_option("--window-left", bench_config.window_left,
+                    "Sliding window: keys before the (aligned) diagonal each query sees (-1: all)")
+      ->capture_default_str();
+  bench->add_option("--window-right", bench_config.window_right,
+                    "Sliding window: keys after the diagonal each query sees (-1: all)")
+      ->capture_default_str();
+  CLI::Option* softcap_opt = bench->add_option("--softcap", softcap, "Logit softcapping c > 0");
+  bench->add_flag("--alibi", bench_config.alibi, "ALiBi biases (slopes 2^(-8(h+1)/H))");
+  bench->add_flag("--sinks", bench_config.sinks, "Learnable attention sinks (random logits)");
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
                   "the forward's, as FlashAttention does");
@@ -171,6 +181,7 @@ int run(int argc, char** argv) {
       if (seq_kv_opt->count() > 0) bench_config.seq_kv = seq_kv;
       if (threads_opt->count() > 0) bench_config.threads = threads;
       if (kv_dtype_opt->count() > 0) bench_config.kv_dtype = kv_dtype;
+      if (softcap_opt->count() > 0) bench_config.softcap = softcap;
       return attn::bench::run_bench_command(bench_config, std::cout, std::cerr);
     }
   } catch (const attn::Error& e) {
