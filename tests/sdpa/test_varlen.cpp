@@ -6,7 +6,8 @@
 //    gradients bit-equal (the same kernel runs the same problem), grad_sinks the sum of the
 //    per-sequence ones; rows without keys give output 0 and LSE -inf (or the sink).
 // 2. Dropout: sequence n's mask is batch element n's of the padded (N, H, max_q, max_k) call with
-//    a key-padding mask (the valid rows and gradients agree), for float32 and float64.
+//    a key-padding mask (the valid rows and gradients agree), for float32, float64 and the
+//    native bfloat16 forward.
 // 3. Bit-identical for 1 and 2 threads; bad input.
 #include <gtest/gtest.h>
 
@@ -354,6 +355,36 @@ TEST(Varlen, DropoutMaskIsThePaddedBatchsMask) {
     }
     // The padded call's sink gradient also sums its padding rows (their dO is 0: no term).
     expect_close(vg.grad_sinks, pg.grad_sinks, 10 * tol, what + " grad_sinks");
+  }
+}
+
+// The native bfloat16 forward keys its Philox counters likewise (its backward is the float32
+// kernel's, covered above).
+TEST(Varlen, DropoutOnTheBFloat16Kernel) {
+  const std::vector<std::string> bf16 = test::runnable_kernels_named("cpu.flash.avx512_bf16");
+  if (bf16.empty()) GTEST_SKIP() << "cpu.flash.avx512_bf16 does not run on this CPU";
+  Packed p = make_packed(long_packing(4, 2), 15);
+  Padded d = make_padded(p);
+  for (Tensor* t : {&p.q, &p.k, &p.v, &d.q, &d.k, &d.v}) *t = t->to(DType::kBFloat16);
+  SdpaOptions o;
+  o.kernel = bf16[0];
+  o.enable_gqa = true;
+  o.dropout_p = 0.3f;
+  o.dropout_rng = DropoutRng::kPhilox;
+  o.dropout_seed = 99;
+  o.need_lse = true;
+  const SdpaResult vr = varlen_attn(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k, o);
+  SdpaOptions po = o;
+  po.attn_mask = AttnMask::boolean(d.mask);
+  const SdpaResult pr = scaled_dot_product_attention(d.q, d.k, d.v, po);
+  for (int64_t n = 0; n < p.N(); ++n) {
+    const size_t i = static_cast<size_t>(n);
+    const int64_t L = p.pk.L[i];
+    // One bfloat16 rounding step (2^-7 relative) where the float32 sums differ in the last bits.
+    expect_close(seq_view(vr.output, p.q0[i], L), pr.output.select(0, n).slice(1, 0, L).unsqueeze(0),
+                 3e-2, "sequence " + std::to_string(n) + " output");
+    expect_close(lse_view(vr.lse, p.q0[i], L), pr.lse.select(0, n).slice(1, 0, L).unsqueeze(0), 2e-5,
+                 "sequence " + std::to_string(n) + " lse");
   }
 }
 
