@@ -14,3 +14,4 @@
 #include "attn/safetensors.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
+#include "attn/varlen.hpp"

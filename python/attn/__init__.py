@@ -106,3 +106,59 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if out.dtype == _np.uint16:  # bfloat16 bits
         out = out.view(_ml_bfloat16())
     return out
+
+
+# ---- varlen_attn ------------------------------------------------------------------------------
+from ._attn import _varlen_attn  # noqa: E402
+
+__all__ += ["varlen_attn"]
+
+
+def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False,
+                causal_alignment="top_left", scale=None, enable_gqa=False, window_size=(-1, -1),
+                softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
+                dropout_offset=0, need_lse=False, kernel=None, num_threads=0):
+    """Packed variable-length attention (torch.nn.attention.varlen.varlen_attn's arguments).
+
+    query (total_q, H, E), key (total_k, H_kv, E), value (total_k, H_kv, Ev): the tokens of N
+    sequences packed along dim 0, sequence n at rows cu_seq_q[n]:cu_seq_q[n+1] of query and
+    cu_seq_k[n]:cu_seq_k[n+1] of key and value. cu_seq_q, cu_seq_k: N + 1 cumulative lengths
+    (an integer array, read as int32), starting at 0, non-decreasing, ending at total_q and
+    total_k. max_q, max_k: at least every sequence's query / key length (ValueError otherwise).
+
+    Each sequence attends only within itself, with the result of
+    :func:`scaled_dot_product_attention` on that sequence alone: is_causal (causal_alignment
+    "top_left", PyTorch's, or "bottom_right", FlashAttention's, measured on each sequence's own
+    lengths), scale (default 1/sqrt(E)), enable_gqa, and the variants with FlashAttention's
+    semantics: window_size=(left, right) (-1 = unbounded), softcap (> 0), alibi_slopes (H,)
+    and sinks (H,) (float arrays). No padding is computed. Sequences of length 0 are allowed; a
+    query of a sequence without keys gets output 0 (LSE -inf, or its head's sink).
+
+    dropout_p drops attention weights with counter-based Philox keyed by (dropout_seed,
+    dropout_offset) -- not the default generator --: sequence n gets batch element n's mask of
+    the padded (N, H, max_q, max_k) call with the same seed and offset.
+
+    Returns the output (total_q, H, Ev) in the inputs' dtype, or (output, lse) with need_lse:
+    lse of shape (H, total_q) (FlashAttention's varlen layout; float32, float64 for float64
+    inputs). kernel: a name from :func:`sdpa_kernels`, chosen per sequence otherwise.
+    num_threads: threads per sequence (0: OpenMP's default); every sequence runs on all of them.
+    """
+    bits = 0
+    args = [query, key, value]
+    for i, a in enumerate(args):
+        if isinstance(a, _np.ndarray) and str(a.dtype) == "bfloat16":  # ml_dtypes.bfloat16
+            args[i] = a.view(_np.uint16)
+            bits |= 1 << i
+    if all(_is_bfloat16(a) for a in (query, key, value)):
+        _ml_bfloat16()  # fail before computing if the bfloat16 result cannot be returned
+    res = _varlen_attn(*args, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=is_causal,
+                       causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
+                       window_size=tuple(window_size), softcap=softcap,
+                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                       dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                       need_lse=need_lse, kernel=kernel, num_threads=num_threads,
+                       bf16_bits=bits)
+    out = res[0] if need_lse else res
+    if out.dtype == _np.uint16:  # bfloat16 bits
+        out = out.view(_ml_bfloat16())
+    return (out, res[1]) if need_lse else out

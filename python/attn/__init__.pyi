@@ -128,3 +128,40 @@ class MultiheadAttention(Module):
                  key_padding_mask: Optional[ArrayLike] = None, need_weights: bool = True,
                  attn_mask: Optional[ArrayLike] = None, average_attn_weights: bool = True,
                  is_causal: bool = False) -> Tuple[F32, Optional[F32]]: ...
+
+def varlen_attn(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    cu_seq_q: ArrayLike,
+    cu_seq_k: ArrayLike,
+    max_q: int,
+    max_k: int,
+    *,
+    is_causal: bool = False,
+    causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
+    need_lse: bool = False,
+    kernel: Optional[str] = None,
+    num_threads: int = 0,
+) -> Union[npt.NDArray[Any], Tuple[npt.NDArray[Any], npt.NDArray[Any]]]:
+    """Packed variable-length attention (torch.nn.attention.varlen.varlen_attn's arguments).
+
+    query (total_q, H, E), key (total_k, H_kv, E), value (total_k, H_kv, Ev) hold N sequences
+    packed along dim 0; cu_seq_q / cu_seq_k are their N + 1 cumulative lengths (integers, read
+    as int32: 0 first, non-decreasing, total_q / total_k last); max_q / max_k bound the lengths.
+    Each sequence attends only within itself, exactly as scaled_dot_product_attention on it
+    alone with the same options (is_causal with causal_alignment on the sequence's own lengths,
+    scale, enable_gqa, window_size, softcap, alibi_slopes (H,), sinks (H,)). Dropout is Philox's
+    (dropout_seed, dropout_offset): sequence n gets batch element n's mask of the padded
+    (N, H, max_q, max_k) call. Returns output (total_q, H, Ev) in the inputs' dtype, or
+    (output, lse) with need_lse, lse of shape (H, total_q). kernel: a name from sdpa_kernels()."""
+    ...

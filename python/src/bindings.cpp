@@ -111,6 +111,89 @@ nb::list sdpa_kernel_list() {
   return out;
 }
 
+// ---- varlen_attn ------------------------------------------------------------------------------
+
+// cu_seq_q / cu_seq_k: any integer array, as the int32 tensor varlen_attn reads (ValueError for a
+// value outside int32; floats raise TypeError).
+Tensor cu_seq_input(nb::handle obj, const char* arg) {
+  Shape shape;
+  const std::vector<int64_t> v = int_input(obj, arg, shape, "cumulative sequence lengths");
+  Tensor t = Tensor::empty(shape, DType::kInt32);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] < INT32_MIN || v[i] > INT32_MAX) {
+      throw nb::value_error((std::string(arg) + ": cumulative sequence lengths must fit in int32, got " +
+                             std::to_string(v[i])).c_str());
+    }
+    t.data_as<int32_t>()[i] = static_cast<int32_t>(v[i]);
+  }
+  return t;
+}
+
+// query, key and value in their dtypes (bf16_bits: bit 0 query, 1 key, 2 value hold bfloat16
+// bits); bool arrays raise TypeError. (What sdpa above reads inline: it can share this.)
+struct QkvInputs {
+  Input q, k, v;
+};
+QkvInputs qkv_inputs(nb::handle query, nb::handle key, nb::handle value, int bf16_bits) {
+  QkvInputs in{sdpa_input(query, "query", bf16_bits & 1), sdpa_input(key, "key", bf16_bits & 2),
+               sdpa_input(value, "value", bf16_bits & 4)};
+  if (in.q.kind == Kind::kBool || in.k.kind == Kind::kBool || in.v.kind == Kind::kBool) {
+    throw nb::type_error("query, key and value must be float32, float64, float16 or bfloat16 "
+                         "arrays, got bool");
+  }
+  return in;
+}
+
+// The binding behind attn.varlen_attn (attn/__init__.py): output, or (output, lse) with need_lse.
+// bf16_bits as for _scaled_dot_product_attention (bit 0 query, 1 key, 2 value). Dropout is
+// Philox's, keyed by (dropout_seed, dropout_offset): it draws nothing from the generator.
+nb::object varlen(nb::handle query, nb::handle key, nb::handle value, nb::handle cu_seq_q,
+                  nb::handle cu_seq_k, int64_t max_q, int64_t max_k, bool is_causal,
+                  const std::string& causal_alignment, std::optional<double> scale, bool enable_gqa,
+                  std::pair<int64_t, int64_t> window_size, std::optional<double> softcap,
+                  nb::handle alibi_slopes, nb::handle sinks, double dropout_p, uint64_t dropout_seed,
+                  uint64_t dropout_offset, bool need_lse, std::optional<std::string> kernel,
+                  int num_threads, int bf16_bits) {
+  const QkvInputs in = qkv_inputs(query, key, value, bf16_bits);
+  const Input &q = in.q, &k = in.k, &v = in.v;
+  const Tensor cq = cu_seq_input(cu_seq_q, "cu_seq_q"), ck = cu_seq_input(cu_seq_k, "cu_seq_k");
+  const std::optional<Input> slopes = optional_input(alibi_slopes, "alibi_slopes");
+  const std::optional<Input> sink = optional_input(sinks, "sinks");
+  SdpaOptions opt;
+  opt.is_causal = is_causal;
+  if (causal_alignment == "bottom_right") {
+    opt.causal_alignment = CausalAlignment::kBottomRight;
+  } else if (causal_alignment != "top_left") {
+    throw nb::value_error(("causal_alignment must be 'top_left' or 'bottom_right', got '" +
+                           causal_alignment + "'").c_str());
+  }
+  opt.scale = scale;
+  opt.enable_gqa = enable_gqa;
+  opt.window_size = {window_size.first, window_size.second};
+  opt.softcap = softcap;
+  if (slopes) opt.alibi_slopes = slopes->view;
+  if (sink) opt.sinks = sink->view;
+  if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) {
+    throw nb::value_error(("dropout_p must be in [0, 1], got " + std::to_string(dropout_p)).c_str());
+  }
+  opt.dropout_p = static_cast<float>(dropout_p);
+  opt.dropout_rng = DropoutRng::kPhilox;
+  opt.dropout_seed = dropout_seed;
+  opt.dropout_offset = dropout_offset;
+  opt.need_lse = need_lse;
+  opt.kernel = kernel.value_or("");
+  if (num_threads < 0) {
+    throw nb::value_error(("num_threads must be >= 0 (0: OpenMP's default), got " +
+                           std::to_string(num_threads)).c_str());
+  }
+  opt.num_threads = num_threads;
+  SdpaResult r = without_gil(false, [&] {
+    return varlen_attn(q.view, k.view, v.view, cq, ck, max_q, max_k, opt);
+  });
+  if (!need_lse) return to_numpy(std::move(r.output));
+  return nb::make_tuple(to_numpy(std::move(r.output)), to_numpy(std::move(r.lse)));
+}
+
 // ---- modules ----------------------------------------------------------------------------------
 
 nb::dict state_dict(nn::Module& m) {
@@ -181,6 +264,17 @@ bfloat16 result is returned as its uint16 bits.)");
 name (what kernel= takes), family ("reference" or "fused"), dtypes (the element types it
 computes, e.g. ["float32", "bfloat16", "float16"]), runs_on_this_cpu, and reason_if_not (the CPU
 features this machine lacks; "" when it runs).)");
+
+  m.def("_varlen_attn", &varlen, "query"_a, "key"_a, "value"_a, "cu_seq_q"_a, "cu_seq_k"_a,
+        "max_q"_a, "max_k"_a, "is_causal"_a = false, "causal_alignment"_a = "top_left",
+        "scale"_a = nb::none(), "enable_gqa"_a = false,
+        "window_size"_a = std::pair<int64_t, int64_t>{-1, -1}, "softcap"_a = nb::none(),
+        "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(), "dropout_p"_a = 0.0,
+        "dropout_seed"_a = 0, "dropout_offset"_a = 0, "need_lse"_a = false,
+        "kernel"_a = nb::none(), "num_threads"_a = 0, "bf16_bits"_a = 0,
+        R"(The binding behind attn.varlen_attn (see its docstring). bf16_bits marks arguments
+holding bfloat16 bits as uint16 (bit 0 query, 1 key, 2 value); a bfloat16 output is returned as
+its uint16 bits.)");
 
   m.def("manual_seed", [](uint64_t seed) {
     std::lock_guard<std::mutex> lock(rng_mutex);

@@ -209,14 +209,14 @@ Input sdpa_input(nb::handle obj, const char* arg, bool bf16_bits) {
   return in;
 }
 
-std::vector<int64_t> int_input(nb::handle obj, const char* arg, Shape& shape) {
+std::vector<int64_t> int_input(nb::handle obj, const char* arg, Shape& shape, const char* what) {
   const nb::ndarray<nb::ro> a = read_array(obj, arg);
   shape = shape_of(a, arg);
   const nb::dlpack::dtype dt = a.dtype();
   const auto code = static_cast<dtype_code>(dt.code);
   if ((code != dtype_code::Int && code != dtype_code::UInt) || dt.lanes != 1 ||
       (dt.bits != 8 && dt.bits != 16 && dt.bits != 32 && dt.bits != 64)) {
-    throw nb::type_error((std::string(arg) + ": expected an integer array of token ids, got " +
+    throw nb::type_error((std::string(arg) + ": expected an integer array of " + what + ", got " +
                           dtype_name(dt)).c_str());
   }
   std::vector<int64_t> ids(static_cast<size_t>(shape.numel()));

@@ -48,8 +48,10 @@ Input float_input(nb::handle obj, const char* arg);
 // Other dtypes raise TypeError, more than 4 dimensions ValueError, non-CPU tensors TypeError.
 Input sdpa_input(nb::handle obj, const char* arg, bool bf16_bits);
 
-// Reads `obj` as int64 ids (any integer dtype), with its shape; floats raise TypeError.
-std::vector<int64_t> int_input(nb::handle obj, const char* arg, Shape& shape);
+// Reads `obj` as int64 ids (any integer dtype), with its shape; floats raise TypeError saying
+// an integer array of `what` was expected.
+std::vector<int64_t> int_input(nb::handle obj, const char* arg, Shape& shape,
+                               const char* what = "token ids");
 
 // The Python type name of an array's element type, as NumPy spells it ("float32", "int64", ...).
 std::string dtype_name(const nb::dlpack::dtype& dt);

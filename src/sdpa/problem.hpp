@@ -52,6 +52,12 @@ struct SdpaProblem {
   bool causal = false;
   int64_t causal_offset = 0;
 
+  // The flat batch*head index of query batch-head b = 0 for Philox dropout is bh_base (dropout
+  // keys weight (i, j) of batch-head b by b + bh_base). 0 for scaled_dot_product_attention;
+  // varlen_attn (src/sdpa/varlen.cpp) runs sequence n as its own problem with bh_base = n * H,
+  // so its mask is that of batch element n of the padded (N, H, max_q, max_k) call.
+  int64_t bh_base = 0;
+
   // The variants (SdpaOptions' last block), validated. diag_offset places query i at
   // i' = i + diag_offset for the window and ALiBi: S - L with kBottomRight (causal or not), else 0.
   int64_t diag_offset = 0;

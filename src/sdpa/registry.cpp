@@ -88,7 +88,7 @@ Tensor f64_tensor(const Shape& shape, const std::vector<double>& values) {
 SdpaResult reference_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                              const SdpaOptions& options, const SdpaProblem& p) {
   if (p.dtype != DType::kFloat64) return widening_forward<reference::sdpa_forward>(q, k, v, options, p);
-  const reference::SdpaResultF64 r = reference::scaled_dot_product_attention_f64(q, k, v, options);
+  const reference::SdpaResultF64 r = reference::scaled_dot_product_attention_f64(q, k, v, options, p);
   SdpaResult out;
   out.output = f64_tensor(r.output_shape, r.output);
   if (options.need_weights) out.attn_weights = f64_tensor(r.weights_shape, r.attn_weights);
@@ -103,7 +103,7 @@ SdpaGrads reference_backward(const TensorView& dout, const TensorView& q, const 
     // The reference's D is rowsum(P * dP): it never reads the forward's output.
     return widening_backward<reference::sdpa_backward, nullptr>(dout, q, k, v, forward, options, p);
   }
-  const reference::SdpaGradsF64 g = reference::scaled_dot_product_attention_backward_f64(dout, q, k, v, options);
+  const reference::SdpaGradsF64 g = reference::scaled_dot_product_attention_backward_f64(dout, q, k, v, options, p);
   return {f64_tensor(q.shape(), g.grad_query), f64_tensor(k.shape(), g.grad_key),
           f64_tensor(v.shape(), g.grad_value),
           g.grad_sinks.empty() ? Tensor() : f64_tensor({p.heads_q}, g.grad_sinks)};

@@ -71,6 +71,16 @@ SdpaResult sdpa_forward(const TensorView& q, const TensorView& k, const TensorVi
 SdpaGrads sdpa_backward(const TensorView& grad_output, const TensorView& q, const TensorView& k,
                         const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
                         const detail::SdpaProblem& problem);
+// The float64 reference (attn/sdpa.hpp's scaled_dot_product_attention_f64 and its backward) on
+// an already validated problem, so that its bh_base reaches the Philox counters.
+SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q, const TensorView& k,
+                                               const TensorView& v, const SdpaOptions& options,
+                                               const detail::SdpaProblem& problem);
+SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& grad_output,
+                                                       const TensorView& q, const TensorView& k,
+                                                       const TensorView& v,
+                                                       const SdpaOptions& options,
+                                                       const detail::SdpaProblem& problem);
 }  // namespace attn::reference
 
 namespace attn::cpu {

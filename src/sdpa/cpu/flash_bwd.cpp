@@ -115,7 +115,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
         h.dq = r == 0 ? dq_all + b * head_dq : partial.get() + ((r - 1) * p.batch + b) * head_dq;
         h.dk = g.grad_key.data() + detail::kv_lead_offset(g.grad_key, p, b);
         h.dv = g.grad_value.data() + detail::kv_lead_offset(g.grad_value, p, b);
-        h.bh = b;
+        h.bh = b + p.bh_base;
         h.alibi2 = p.alibi_slope(b) * std::numbers::log2e_v<float>;
         h.j_begin = split.begin(r, p.S);
         h.j_end = split.begin(r + 1, p.S);

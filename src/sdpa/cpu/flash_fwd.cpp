@@ -50,7 +50,7 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
     FlashBlock blk{};
     blk.i0 = i0;
     blk.nq = std::min<int64_t>(kernel.block_q, p.L - i0);
-    blk.bh = b;
+    blk.bh = b + p.bh_base;  // the Philox counter's batch*head
     blk.alibi2 = p.alibi_slope(b) * std::numbers::log2e_v<float>;
     blk.sink2 = p.sink(b) * std::numbers::log2e_v<float>;  // -inf stays -inf: no sink
     blk.q = q.data() + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
@@ -81,7 +81,7 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < items.size(); ++t) {
         FlashBlock blk = block_of(items[t]);
-        blk.weights = weights + (blk.bh * p.L + blk.i0) * p.S;
+        blk.weights = weights + (items[t] / nqb * p.L + blk.i0) * p.S;
         kernel.weights(fp, blk, ws.data());
       }
     }

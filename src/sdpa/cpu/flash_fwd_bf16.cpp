@@ -62,7 +62,7 @@ SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, co
       FlashBlock16 blk{};
       blk.i0 = i0;
       blk.nq = std::min<int64_t>(bq, p.L - i0);
-      blk.bh = b;
+      blk.bh = b + p.bh_base;
       blk.q = qd + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
       blk.k = kd + detail::kv_lead_offset(k, p, b);
       blk.vp = vpacked.data() + ((b / p.heads_q) * p.heads_kv + (b % p.heads_q) / p.group) * vwords;

@@ -88,7 +88,7 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
       }
       const float lse = detail::attention_row(prow, p, b, i, mrow, mstride, cap_grad.data());
       if (philox) {
-        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b, i, p.dropout_p, keep);
+        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, i, p.dropout_p, keep);
       } else if (torch_drop) {
         const float* w = forward.attn_weights.data() + (b * p.L + i) * p.S;
         for (int64_t j = 0; j < p.S; ++j) keep[static_cast<size_t>(j)] = w[j] != 0.0f;

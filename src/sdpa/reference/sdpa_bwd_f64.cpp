@@ -9,7 +9,7 @@
 #include "attn/error.hpp"
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
-#include "sdpa/problem.hpp"
+#include "sdpa/registry.hpp"
 #include "sdpa/reference/sdpa_row.hpp"
 
 namespace attn::reference {
@@ -26,7 +26,16 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
                                                        const TensorView& k_in,
                                                        const TensorView& v_in,
                                                        const SdpaOptions& options) {
-  const detail::SdpaProblem p = detail::check_sdpa(q_in, k_in, v_in, options);
+  return scaled_dot_product_attention_backward_f64(dout_in, q_in, k_in, v_in, options,
+                                                   detail::check_sdpa(q_in, k_in, v_in, options));
+}
+
+SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in,
+                                                       const TensorView& q_in,
+                                                       const TensorView& k_in,
+                                                       const TensorView& v_in,
+                                                       const SdpaOptions& options,
+                                                       const detail::SdpaProblem& p) {
   const Tensor q = q_in.to(DType::kFloat64), k = k_in.to(DType::kFloat64), v = v_in.to(DType::kFloat64);
   Shape out_shape = p.lead;
   out_shape.push_back(p.L);
@@ -80,7 +89,7 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
       }
       const double lse = detail::attention_row(prow.data(), p, b, i, mrow, mstride, cap_grad.data());
       if (philox) {
-        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b, i, p.dropout_p, keep);
+        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, i, p.dropout_p, keep);
       } else if (p.dropout_p > 0.0f) {
         for (int64_t j = 0; j < p.S; ++j) {
           keep[static_cast<size_t>(j)] =

@@ -7,14 +7,20 @@
 // the float32 the kernels see.
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
-#include "sdpa/problem.hpp"
+#include "sdpa/registry.hpp"
 #include "sdpa/reference/sdpa_row.hpp"
 
 namespace attn::reference {
 
 SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const TensorView& k_in,
                                                const TensorView& v_in, const SdpaOptions& options) {
-  const detail::SdpaProblem p = detail::check_sdpa(q_in, k_in, v_in, options);
+  return scaled_dot_product_attention_f64(q_in, k_in, v_in, options,
+                                          detail::check_sdpa(q_in, k_in, v_in, options));
+}
+
+SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const TensorView& k_in,
+                                               const TensorView& v_in, const SdpaOptions& options,
+                                               const detail::SdpaProblem& p) {
   const Tensor q = q_in.to(DType::kFloat64), k = k_in.to(DType::kFloat64), v = v_in.to(DType::kFloat64);
   SdpaResultF64 r;
   r.weights_shape = p.lead;
@@ -70,7 +76,7 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const Ten
       if (!keep.empty()) {
         for (int64_t j = 0; j < p.S; ++j) row[j] *= keep[static_cast<size_t>((b * p.L + i) * p.S + j)] * inv_keep;
       } else if (philox) {
-        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b, i, p.dropout_p,
+        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, i, p.dropout_p,
                                 philox_keep);
         for (int64_t j = 0; j < p.S; ++j) row[j] = philox_keep[static_cast<size_t>(j)] ? row[j] * inv_keep : row[j] * 0.0;
       }
