@@ -192,6 +192,15 @@ std::optional<std::string> validate(const BenchConfig& c) {
                        c.window_left, c.window_right);
   }
   if (c.softcap && !(*c.softcap > 0.0)) return fmt::format("--softcap must be > 0 (got {})", *c.softcap);
+  if (c.varlen < 0) return fmt::format("--varlen must be a positive number of sequences (got {})", c.varlen);
+  if (c.varlen > 0 && (c.varlen_min < 1 || c.varlen_max < c.varlen_min)) {
+    return fmt::format("--varlen-min and --varlen-max must satisfy 1 <= min <= max (got {}, {})",
+                       c.varlen_min, c.varlen_max);
+  }
+  if (c.varlen > 0 && (c.dtype != "f32" || c.page_size > 0 || c.alibi || c.sinks || c.impl != "auto" ||
+                       !c.kernel.empty() || c.causal_align != "top-left")) {
+    return "--varlen takes --dtype f32, top-left --causal, the window and --softcap, and the default kernel choice";
+  }
   if (c.page_size > 0 && (windowed || c.softcap || c.alibi || c.sinks)) {
     return "--page-size does not take the variant flags yet (--window-*, --softcap, --alibi, --sinks)";
   }
@@ -572,6 +581,10 @@ int run_bench_command(const BenchConfig& c, std::ostream& out, std::ostream& err
                               : std::string("none (no AVX512-BF16)"));
       out << fmt::format("{:<12} {}\n", "bandwidth", bandwidth_text(b));
     }
+    return 0;
+  }
+  if (c.varlen > 0) {
+    out << format_varlen(c, run_varlen_bench(c));
     return 0;
   }
   try {

@@ -56,6 +56,9 @@ struct BenchConfig {
   std::optional<double> softcap;
   bool alibi = false;
   bool sinks = false;
+  // > 0: `--varlen N` packed sequences against the same padded (bench_varlen.cpp).
+  int64_t varlen = 0;
+  int64_t varlen_min = 64, varlen_max = 4096;
   bool json = false;
   bool peak_only = false;
 
@@ -142,6 +145,15 @@ std::string format_table(const BenchConfig& config, const BenchResult& result);
 int run_bench_command(const BenchConfig& config, std::ostream& out, std::ostream& err);
 
 double median(std::vector<double> values);
+
+// `--varlen`: the drawn lengths, and the alternating timings of varlen_attn and of the padded call.
+struct VarlenResult {
+  std::vector<int64_t> lengths;
+  int64_t tokens = 0, padded_tokens = 0;
+  std::vector<double> varlen_ms, padded_ms;
+};
+VarlenResult run_varlen_bench(const BenchConfig& config);
+std::string format_varlen(const BenchConfig& config, const VarlenResult& result);
 
 // `attn kernels`: every registered SDPA kernel, its dtypes, and whether it runs on this CPU (with
 // the reason if not), under the CPU's description.

@@ -144,6 +144,12 @@ int run(int argc, char** argv) {
   CLI::Option* softcap_opt = bench->add_option("--softcap", softcap, "Logit softcapping c > 0");
   bench->add_flag("--alibi", bench_config.alibi, "ALiBi biases (slopes 2^(-8(h+1)/H))");
   bench->add_flag("--sinks", bench_config.sinks, "Learnable attention sinks (random logits)");
+  bench->add_option("--varlen", bench_config.varlen,
+                    "Time varlen_attn on N packed sequences against the same padded (0: off)");
+  bench->add_option("--varlen-min", bench_config.varlen_min, "Shortest --varlen sequence")
+      ->capture_default_str();
+  bench->add_option("--varlen-max", bench_config.varlen_max, "Longest --varlen sequence")
+      ->capture_default_str();
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
                   "the forward's, as FlashAttention does");
