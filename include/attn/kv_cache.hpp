@@ -129,6 +129,19 @@ struct PagedAttentionOptions {
   // A decode kernel by name ("cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic"), or
   // "" for the best this CPU runs; ValueError for another name or one this CPU cannot run.
   std::string kernel;
+  // Variants, as SdpaOptions' (attn/sdpa.hpp) with the queries bottom-right aligned as is_causal:
+  // query i of a sequence of length S sits at i' = S - L_q + i. All combine with each other and
+  // with is_causal. The scores go x = scale q.k; x = softcap tanh(x / softcap);
+  // x -= slope_h |i' - j|; then the band hides keys (-inf, never added).
+  // Sliding window: key j is visible iff i' - left <= j <= i' + right ({-1, -1}: none; -1 is
+  // unbounded on that side). Only the pages inside the window are read: cost grows with the
+  // window, not with S.
+  WindowSize window_size;
+  std::optional<double> softcap;           // > 0 (Gemma 2); unset: none
+  std::optional<TensorView> alibi_slopes;  // float32 (H_q) or (N, H_q)
+  // float32 (H_q): one more logit per row with no value; the LSE includes it, and a row that sees
+  // no key has output 0 and LSE sinks[h] (gpt-oss).
+  std::optional<TensorView> sinks;
 };
 
 // Attention of N sequences' newest L_q tokens over everything their caches hold:
@@ -137,11 +150,13 @@ struct PagedAttentionOptions {
 //   holding its L_q new tokens (length >= L_q) -> SdpaResult with output (N, L_q, H_q,
 //   head_dim_v) in the query's dtype and, with need_lse, lse (N, H_q, L_q).
 // Equal, within float32 rounding, to scaled_dot_product_attention of each query against that
-// sequence's gathered keys and values (enable_gqa, causal with CausalAlignment::kBottomRight).
+// sequence's gathered keys and values (enable_gqa, CausalAlignment::kBottomRight, the same
+// variants; (N, H_q) slopes are row n's (H_q)).
 // L_q is at most 16 (the decode kernel's range; prefill a long prompt with
 // scaled_dot_product_attention). A sequence may appear more than once (it is only read).
 // Errors: ShapeError, DTypeError, IndexError for a dead or unknown id, ValueError for L_q > 16
-// or a sequence shorter than L_q.
+// or a sequence shorter than L_q; for the variants, as scaled_dot_product_attention's, naming
+// options.window_size, options.softcap, options.alibi_slopes or options.sinks.
 SdpaResult paged_attention(const TensorView& query, const PagedKvCache& cache,
                            std::span<const int64_t> seq_ids,
                            const PagedAttentionOptions& options = {});

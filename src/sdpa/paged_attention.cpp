@@ -15,6 +15,7 @@
 #include "attn/error.hpp"
 #include "sdpa/cpu/decode.hpp"
 #include "sdpa/cpu/flash_inputs.hpp"
+#include "sdpa/problem.hpp"
 #include "sdpa/registry.hpp"
 
 namespace attn {
@@ -64,6 +65,12 @@ PagedAttentionShape check_paged_attention(const TensorView& query, const PagedKv
   }
   // The default as scaled_dot_product_attention applies it: 1 / float32(sqrt(E)).
   s.scale = options.scale.value_or(1.0 / static_cast<double>(static_cast<float>(std::sqrt(double(s.E)))));
+  detail::check_window_size(options.window_size, who, "options.window_size");
+  s.softcap = detail::check_softcap(options.softcap, who, "options.softcap");
+  if (options.alibi_slopes) {
+    detail::check_head_param(*options.alibi_slopes, who, "options.alibi_slopes", {Shape{s.H_q}, Shape{s.N, s.H_q}});
+  }
+  if (options.sinks) detail::check_head_param(*options.sinks, who, "options.sinks", {Shape{s.H_q}});
   if (options.num_threads < 0) {
     throw ValueError(fmt::format("{}: options.num_threads must be >= 0 (0: OpenMP's default), got {}", who,
                                  options.num_threads));
@@ -97,7 +104,8 @@ SdpaResult paged_attention(const TensorView& query_in, const PagedKvCache& cache
 
   cpu::DecodeCall c;
   c.N = s.N, c.heads_q = s.H_q, c.heads_kv = cache.heads_kv(), c.L = s.L_q;
-  c.params = cpu::make_decode_params(s.E, s.Ev, cache.dtype(), s.scale, options.is_causal);
+  c.params = cpu::make_decode_params(s.E, s.Ev, cache.dtype(), s.scale, options.is_causal,
+                                     options.window_size, s.softcap);
   c.q = q.raw_data();
   c.q_dtype = q.dtype();
   c.q_n = q.stride(0), c.q_i = q.stride(1), c.q_h = q.stride(2);
@@ -107,6 +115,16 @@ SdpaResult paged_attention(const TensorView& query_in, const PagedKvCache& cache
   if (options.need_lse) {
     c.lse = result.lse.data();
     c.lse_i = 1, c.lse_h = s.L_q, c.lse_n = s.H_q * s.L_q;
+  }
+  if (options.alibi_slopes) {
+    const TensorView& a = *options.alibi_slopes;
+    c.alibi = a.data();
+    c.alibi_n = a.dim() == 2 ? a.stride(0) : 0;
+    c.alibi_h = a.stride(-1);
+  }
+  if (options.sinks) {
+    c.sinks = options.sinks->data();
+    c.sinks_h = options.sinks->stride(0);
   }
 
   // Pool layout (kv_cache.hpp): pages (num_pages, heads_kv, page_size, dim), scales
@@ -133,7 +151,9 @@ SdpaResult paged_attention(const TensorView& query_in, const PagedKvCache& cache
       kv.pages = table.data();
       kv.page_size = P;
       kv.S = S;
-      kv.causal_offset = S - s.L_q;
+      // Bottom-right: the new tokens are the sequence's last L_q. The driver reads only the
+      // pages holding keys inside this band.
+      cpu::set_decode_band(c.params, S - s.L_q, kv);
     }
   }
   c.threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();

@@ -14,6 +14,7 @@ namespace attn::detail {
 struct PagedAttentionShape {
   int64_t N = 0, L_q = 0, H_q = 0, E = 0, Ev = 0;
   double scale = 0.0;  // options.scale, or 1 / float32(sqrt(E)) as scaled_dot_product_attention
+  double softcap = 0.0;  // options.softcap, 0 when unset
 };
 
 inline constexpr int64_t kMaxPagedQueries = 16;

@@ -22,58 +22,63 @@ bool broadcasts_to(const Shape& from, const Shape& to) {
   return true;
 }
 
-// A per-head float32 parameter (ALiBi slopes, sinks): shape one of `allowed`, finite values.
-void check_head_param(const TensorView& t, const char* name, const std::vector<Shape>& allowed) {
-  std::string want;
-  for (const Shape& s : allowed) want += (want.empty() ? "" : " or ") + s.str();
-  if (!t.defined()) throw ValueError(fmt::format("scaled_dot_product_attention: {} is undefined", name));
-  if (t.dtype() != DType::kFloat32) {
-    throw DTypeError(fmt::format("scaled_dot_product_attention: {} must be float32 of shape {}, got {}",
-                                 name, want, dtype_name(t.dtype())));
-  }
-  bool ok = false;
-  for (const Shape& s : allowed) ok = ok || t.shape() == s;
-  if (!ok) {
-    throw ShapeError(fmt::format("scaled_dot_product_attention: {} must have shape {}, got {}", name,
-                                 want, t.shape().str()));
-  }
-  for_each_offset(t, [&](int64_t off) {
-    if (!std::isfinite(t.data()[off])) {
-      throw ValueError(fmt::format("scaled_dot_product_attention: {} must be finite, got {}", name,
-                                   t.data()[off]));
-    }
-  });
-}
-
 // The variants block of SdpaOptions, into p (whose shapes and alignment are already known).
 void check_variants(const SdpaOptions& o, SdpaProblem& p) {
-  const WindowSize& w = o.window_size;
-  if (w.left < -1 || w.right < -1) {
-    throw ValueError(fmt::format("scaled_dot_product_attention: window_size must be (left, right) "
-                                 "with each >= -1 (-1 = unbounded), got ({}, {})", w.left, w.right));
-  }
-  p.window_left = w.left;
-  p.window_right = w.right;
+  const char* who = "scaled_dot_product_attention";
+  check_window_size(o.window_size, who, "window_size");
+  p.window_left = o.window_size.left;
+  p.window_right = o.window_size.right;
   p.diag_offset = o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
-  if (o.softcap) {
-    if (!(*o.softcap > 0.0) || !std::isfinite(*o.softcap)) {
-      throw ValueError(fmt::format("scaled_dot_product_attention: softcap must be a finite value "
-                                   "> 0 (unset for none), got {}", *o.softcap));
-    }
-    p.softcap = *o.softcap;
-  }
+  p.softcap = check_softcap(o.softcap, who, "softcap");
   if (o.alibi_slopes) {
     std::vector<Shape> allowed{Shape{p.heads_q}};
     if (p.lead.ndim() == 2) allowed.push_back(Shape{p.lead[0], p.heads_q});
-    check_head_param(*o.alibi_slopes, "alibi_slopes", allowed);
+    check_head_param(*o.alibi_slopes, who, "alibi_slopes", allowed);
     p.alibi = *o.alibi_slopes;
   }
   if (o.sinks) {
-    check_head_param(*o.sinks, "sinks", {Shape{p.heads_q}});
+    check_head_param(*o.sinks, who, "sinks", {Shape{p.heads_q}});
     p.sinks = *o.sinks;
   }
 }
 }  // namespace
+
+void check_window_size(const WindowSize& w, const char* who, const char* name) {
+  if (w.left < -1 || w.right < -1) {
+    throw ValueError(fmt::format("{}: {} must be (left, right) with each >= -1 (-1 = unbounded), "
+                                 "got ({}, {})", who, name, w.left, w.right));
+  }
+}
+
+double check_softcap(const std::optional<double>& c, const char* who, const char* name) {
+  if (!c) return 0.0;
+  if (!(*c > 0.0) || !std::isfinite(*c)) {
+    throw ValueError(fmt::format("{}: {} must be a finite value > 0 (unset for none), got {}", who,
+                                 name, *c));
+  }
+  return *c;
+}
+
+void check_head_param(const TensorView& t, const char* who, const char* name,
+                      const std::vector<Shape>& allowed) {
+  std::string want;
+  for (const Shape& s : allowed) want += (want.empty() ? "" : " or ") + s.str();
+  if (!t.defined()) throw ValueError(fmt::format("{}: {} is undefined", who, name));
+  if (t.dtype() != DType::kFloat32) {
+    throw DTypeError(fmt::format("{}: {} must be float32 of shape {}, got {}", who, name, want,
+                                 dtype_name(t.dtype())));
+  }
+  bool ok = false;
+  for (const Shape& s : allowed) ok = ok || t.shape() == s;
+  if (!ok) {
+    throw ShapeError(fmt::format("{}: {} must have shape {}, got {}", who, name, want, t.shape().str()));
+  }
+  for_each_offset(t, [&](int64_t off) {
+    if (!std::isfinite(t.data()[off])) {
+      throw ValueError(fmt::format("{}: {} must be finite, got {}", who, name, t.data()[off]));
+    }
+  });
+}
 
 float SdpaProblem::alibi_slope(int64_t b) const {
   if (!alibi.defined()) return 0.0f;

@@ -4,7 +4,9 @@
 
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "attn/dtype.hpp"
 #include "attn/sdpa.hpp"
@@ -85,6 +87,16 @@ struct SdpaProblem {
   // kernel that lacks them names when it refuses.
   std::string variants_used() const;
 };
+// The variants' checks, shared with paged_attention: `who` names the function, `name` the
+// argument as its caller spells it ("window_size", "options.window_size"). ValueError for a
+// side below -1, a softcap that is not finite and > 0 (check_softcap returns 0 when unset);
+// for a per-head parameter (ALiBi slopes, sinks) DTypeError unless float32, ShapeError unless
+// one of `allowed`, ValueError for a value that is not finite.
+void check_window_size(const WindowSize& w, const char* who, const char* name);
+double check_softcap(const std::optional<double>& c, const char* who, const char* name);
+void check_head_param(const TensorView& t, const char* who, const char* name,
+                      const std::vector<Shape>& allowed);
+
 // Validates the arguments and returns the problem description; throws attn::Error subclasses.
 SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorView& v,
                        const SdpaOptions& options);

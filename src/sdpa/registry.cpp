@@ -164,9 +164,6 @@ std::string decode_why_not(const SdpaKernel&, const SdpaProblem& p, const SdpaOp
   }
   if (options.need_weights) return "need_weights is served by the cpu.flash kernels";
   if (options.dropout_p > 0.0f) return "dropout is served by the cpu.flash kernels (decoding is inference)";
-  if (std::string v = p.variants_used(); !v.empty()) {
-    return fmt::format("{} not in the decode kernel yet (served by the cpu.flash kernels)", v);
-  }
   return "";
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,7 +63,17 @@ PagedKvCache filled_cache(const DecodeCase& s, std::vector<int64_t>& ids) {
   return c;
 }
 
-void expect_matches_dense_on(const DecodeCase& s, const std::string& kernel) {
+// The variants of PagedAttentionOptions; slopes and sinks are filled per call (their shapes
+// depend on N and H_q).
+struct PagedVariant {
+  const char* name;
+  WindowSize window;
+  std::optional<double> softcap;
+  int alibi = 0;  // 0: none, 1: (H_q), 2: (N, H_q)
+  bool sinks = false;
+};
+
+void expect_matches_dense_on(const DecodeCase& s, const std::string& kernel, const PagedVariant* var = nullptr) {
   std::vector<int64_t> ids;
   const PagedKvCache cache = filled_cache(s, ids);
   ids.push_back(0);  // a sequence may appear twice
@@ -74,6 +85,20 @@ void expect_matches_dense_on(const DecodeCase& s, const std::string& kernel) {
   po.need_lse = true;
   po.scale = 0.3;
   po.kernel = kernel;
+  Tensor slopes, sinks;
+  if (var != nullptr) {
+    po.window_size = var->window;
+    po.softcap = var->softcap;
+    if (var->alibi != 0) {
+      slopes = var->alibi == 1 ? Tensor::empty({s.Hq}) : Tensor::empty({N, s.Hq});
+      for (int64_t h = 0; h < slopes.numel(); ++h) slopes.data()[h] = 0.05f * static_cast<float>(h % 7 + 1);
+      po.alibi_slopes = slopes;
+    }
+    if (var->sinks) {
+      sinks = randn({s.Hq}, gen);
+      po.sinks = sinks;
+    }
+  }
   const SdpaResult got = paged_attention(query, cache, ids, po);
   ASSERT_EQ(got.output.shape(), (Shape{N, s.L_q, s.Hq, s.Ev})) << describe(s);
   ASSERT_EQ(got.output.dtype(), s.query_dtype);
@@ -86,17 +111,26 @@ void expect_matches_dense_on(const DecodeCase& s, const std::string& kernel) {
   o.scale = 0.3;
   o.need_lse = true;
   o.backend = SdpaBackend::kReference;
+  o.window_size = po.window_size;
+  o.softcap = po.softcap;
+  o.sinks = po.sinks;
   const Tensor q32 = query.to(DType::kFloat32);
   for (int64_t i = 0; i < N; ++i) {
     const int64_t id = ids[static_cast<size_t>(i)];
+    Tensor row_slopes;  // sequence i's (H_q) slopes
+    if (slopes.defined()) {
+      row_slopes = slopes.dim() == 1 ? slopes.contiguous() : slopes.select(0, i).contiguous();
+      o.alibi_slopes = row_slopes;
+    }
     const Tensor q = q32.select(0, i).transpose(0, 1).unsqueeze(0).contiguous();
     const Tensor k = cache.gather_keys(id).unsqueeze(0).contiguous(), v = cache.gather_values(id).unsqueeze(0).contiguous();
     const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q, k, v, o);
     const double ref_err = test::max_abs_err(scaled_dot_product_attention(q, k, v, o).output.to(s.query_dtype), truth.output);
     const TensorView out_i = got.output.select(0, i).transpose(0, 1).unsqueeze(0);  // (1, H, L, Ev)
+    const std::string what = describe(s) + (var != nullptr ? std::string(" ") + var->name : "");
     EXPECT_LE(test::max_abs_err(out_i, truth.output), 2.0 * ref_err + 1e-5)
-        << describe(s) << " seq " << id << " (reference error " << ref_err << ")";
-    EXPECT_LE(test::max_abs_err(got.lse.select(0, i).unsqueeze(0), truth.lse), 1e-4) << describe(s) << " lse";
+        << what << " seq " << id << " (reference error " << ref_err << ")";
+    EXPECT_LE(test::max_abs_err(got.lse.select(0, i).unsqueeze(0), truth.lse), 1e-4) << what << " lse";
   }
 }
 
@@ -166,6 +200,71 @@ TEST(PagedAttention, LongShuffledSequencesSplitAcrossThreads) {
       const std::vector<float> b = dense.to_vector();
       ASSERT_EQ(a.size(), b.size());
       for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 2e-6) << kernel << " seq " << ids[n] << " " << i;
+    }
+  }
+}
+
+// ---- variants -----------------------------------------------------------------------------------
+
+// Each variant (and pairs) equals scaled_dot_product_attention on the gathered keys and values
+// with the same options (bottom-right), within the float32 rule, for sequences of lengths 37,
+// L_q, 5 + L_q and 70 (a window of 5 hides most of the long ones), causal or not, GQA.
+TEST(PagedAttentionVariants, EqualsDenseAttentionWithTheSameOptions) {
+  const PagedVariant variants[] = {
+      {"window_5_0", {5, 0}, {}, 0, false},    {"window_20_3", {20, 3}, {}, 0, false},
+      {"window_right_1", {-1, 1}, {}, 0, false}, {"softcap", {}, 1.5, 0, false},
+      {"alibi_h", {}, {}, 1, false},           {"alibi_nh", {}, {}, 2, false},
+      {"sinks", {}, {}, 0, true},              {"window_sinks", {7, 0}, {}, 0, true},
+      {"softcap_alibi", {}, 2.0, 2, false},    {"all", {12, 2}, 3.0, 1, true},
+  };
+  const DecodeCase setups[] = {{8, 2, 32, 24, 3, true}, {4, 4, 16, 16, 1, false}, {4, 1, 16, 16, 16, true},
+                               {8, 2, 16, 16, 4, false, DType::kBFloat16}, {8, 2, 16, 16, 2, true, DType::kInt8}};
+  for (const DecodeCase& s : setups) {
+    for (const PagedVariant& v : variants) {
+      for (const std::string& kernel : decode_kernels()) {
+        SCOPED_TRACE("kernel " + kernel);
+        expect_matches_dense_on(s, kernel, &v);
+      }
+    }
+  }
+}
+
+// A long sequence whose keys and values before a sliding window are NaN and Inf: the window's
+// pages alone are read (and hidden keys never count), so the result is that of finite values,
+// bit for bit, and the same for 1, 2 and 3 threads.
+TEST(PagedAttentionVariants, PagesBeforeTheWindowChangeNothing) {
+  const int64_t S = 3000, Lq = 4, window = 150;
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    PagedKvCacheOptions o{.num_pages = 400, .page_size = 16, .heads_kv = 2, .head_dim = 64, .dtype = dt};
+    PagedKvCache clean(o), poisoned(o);
+    Generator gen(41);
+    const Tensor k = randn({S, 2, 64}, gen), v = randn({S, 2, 64}, gen);
+    Tensor kp = k.contiguous(), vp = v.contiguous();
+    for (int64_t j = 0; j < S - Lq - window; ++j) {
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t e = 0; e < 64; ++e) kp.at({j, h, e}) = NAN, vp.at({j, h, e}) = INFINITY;
+      }
+    }
+    const std::vector<int64_t> ids{clean.add_sequence()};
+    EXPECT_EQ(poisoned.add_sequence(), ids[0]);
+    clean.append(ids[0], k, v);
+    poisoned.append(ids[0], kp, vp);
+    const Tensor q = randn({1, Lq, 8, 64}, gen);
+    Tensor sinks = randn({8}, gen);
+    PagedAttentionOptions po{.is_causal = true, .need_lse = true};
+    po.window_size = {window, 0};
+    po.sinks = sinks;
+    po.softcap = 10.0;
+    for (const std::string& kernel : decode_kernels()) {
+      po.kernel = kernel;
+      po.num_threads = 1;
+      const SdpaResult a = paged_attention(q, clean, ids, po);
+      for (int t : {1, 2, 3}) {
+        po.num_threads = t;
+        const SdpaResult b = paged_attention(q, poisoned, ids, po);
+        EXPECT_EQ(a.output.to_vector(), b.output.to_vector()) << kernel << " " << dtype_name(dt) << " threads " << t;
+        EXPECT_EQ(a.lse.to_vector(), b.lse.to_vector()) << kernel << " " << dtype_name(dt) << " threads " << t;
+      }
     }
   }
 }
@@ -249,6 +348,43 @@ TEST(PagedAttentionErrors, EveryBadArgumentIsTypedAndNamed) {
   expect_error<ValueError>([&] { (void)paged_attention(q, c, ok, {.scale = std::nan("")}); }, "options.scale");
   expect_error<ValueError>([&] { (void)paged_attention(q, c, ok, {.scale = 1e300}); }, "options.scale");
   expect_error<ValueError>([&] { (void)paged_attention(q, c, ok, {.num_threads = -1}); }, "num_threads");
+}
+
+TEST(PagedAttentionErrors, BadVariantsAreTypedAndNameTheArgumentExpectedAndActual) {
+  PagedKvCache c(PagedKvCacheOptions{.num_pages = 4, .page_size = 4, .heads_kv = 2, .head_dim = 8});
+  c.add_sequence();
+  c.add_sequence();
+  c.append(0, Tensor::ones({5, 2, 8}), Tensor::ones({5, 2, 8}));
+  c.append(1, Tensor::ones({2, 2, 8}), Tensor::ones({2, 2, 8}));
+  const Tensor q = Tensor::ones({2, 2, 4, 8});  // N = 2, H_q = 4
+  const std::vector<int64_t> ids{0, 1};
+  auto with = [&](auto set) {
+    PagedAttentionOptions o;
+    set(o);
+    return [&c, &q, &ids, o] { (void)paged_attention(q, c, ids, o); };
+  };
+  expect_error<ValueError>(with([](PagedAttentionOptions& o) { o.window_size = {-2, 0}; }), "options.window_size");
+  expect_error<ValueError>(with([](PagedAttentionOptions& o) { o.window_size = {3, -5}; }), "got (3, -5)");
+  for (double bad : {0.0, -2.0, static_cast<double>(INFINITY), std::nan("")}) {
+    expect_error<ValueError>(with([bad](PagedAttentionOptions& o) { o.softcap = bad; }), "options.softcap must be a finite value > 0");
+  }
+  const Tensor h3 = Tensor::zeros({3}), nh = Tensor::zeros({2, 4}), hn = Tensor::zeros({4, 2}), h4 = Tensor::zeros({4});
+  const Tensor f64 = Tensor::zeros({4}).to(DType::kFloat64);
+  expect_error<ShapeError>(with([&](PagedAttentionOptions& o) { o.alibi_slopes = h3; }),
+                           "options.alibi_slopes must have shape [4] or [2, 4], got [3]");
+  expect_error<ShapeError>(with([&](PagedAttentionOptions& o) { o.alibi_slopes = hn; }), "got [4, 2]");
+  expect_error<DTypeError>(with([&](PagedAttentionOptions& o) { o.alibi_slopes = f64; }),
+                           "options.alibi_slopes must be float32");
+  expect_error<ShapeError>(with([&](PagedAttentionOptions& o) { o.sinks = nh; }), "options.sinks must have shape [4], got [2, 4]");
+  expect_error<DTypeError>(with([&](PagedAttentionOptions& o) { o.sinks = f64; }), "float64");
+  Tensor nan_sinks = Tensor::zeros({4});
+  nan_sinks.data()[2] = NAN;
+  expect_error<ValueError>(with([&](PagedAttentionOptions& o) { o.sinks = nan_sinks; }), "options.sinks must be finite, got nan");
+  Tensor inf_slopes = Tensor::zeros({2, 4});
+  inf_slopes.data()[5] = INFINITY;
+  expect_error<ValueError>(with([&](PagedAttentionOptions& o) { o.alibi_slopes = inf_slopes; }), "options.alibi_slopes must be finite");
+  // The good shapes pass.
+  EXPECT_NO_THROW(with([&](PagedAttentionOptions& o) { o.alibi_slopes = nh; o.sinks = h4; o.window_size = {2, 0}; o.softcap = 1.0; })());
 }
 
 }  // namespace

@@ -7,6 +7,17 @@
 // depends on the problem only (about kTargetItems items, ranges of at least kMinSplit keys), not
 // on the thread count, and ranges merge in a fixed order: results are bit-identical for any
 // number of threads, as the prefill kernels' are.
+//
+// Variants: the ranges cover only the keys inside the band (is_causal, window_size) of some
+// query of the pair, so with a sliding window the reads, the items and the merge all scale with
+// the window, not S (a pair whose band is empty has no range: its rows see no key). Softcap and
+// ALiBi act on the scores inside the kernel; a sink is one more logit per row with no value,
+// so it belongs to no range: the merge adds it once, as if it were one more range with l = 1,
+// m = the sink and acc = 0 (adding it to every range's partial would count it once per range).
+//
+// Shapes: an item's partial is R * (Evp + 2) floats (m, l, acc of R = group * L rows), all items'
+// partials live at once in `parts` (items * R * (Evp + 2) floats, small next to K and V: about
+// max(kTargetItems, pairs) ranges per call).
 #include "sdpa/cpu/decode.hpp"
 
 #include <algorithm>
@@ -33,13 +44,28 @@ struct Item {
 
 }  // namespace
 
-DecodeParams make_decode_params(int64_t E, int64_t Ev, DType kv_dtype, double scale, bool causal) {
+DecodeParams make_decode_params(int64_t E, int64_t Ev, DType kv_dtype, double scale, bool causal,
+                                WindowSize window, double softcap) {
   DecodeParams dp;
   dp.E = E, dp.Ev = Ev, dp.Ep = decode_padded(E), dp.Evp = decode_padded(Ev);
   dp.kv = kv_type_of(kv_dtype);
   dp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
   dp.causal = causal;
+  dp.window_left = window.left, dp.window_right = window.right;
+  // is_causal and the window's right side both bound j from above (the tighter wins per
+  // sequence, set_decode_band), the window's left side from below.
+  dp.band_hi = causal || window.right >= 0;
+  dp.band_lo = window.left >= 0;
+  dp.softcap2 = static_cast<float>(softcap * std::numbers::log2e);
   return dp;
+}
+
+void set_decode_band(const DecodeParams& p, int64_t diag_offset, DecodeKv& kv) {
+  kv.diag_offset = diag_offset;
+  kv.hi_offset = std::numeric_limits<int64_t>::max() / 2;
+  if (p.window_right >= 0) kv.hi_offset = diag_offset + p.window_right;
+  if (p.causal) kv.hi_offset = std::min(kv.hi_offset, diag_offset);
+  kv.lo_offset = p.window_left >= 0 ? diag_offset - p.window_left : 0;
 }
 
 KvType kv_type_of(DType dtype) {
@@ -56,7 +82,9 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
   const int64_t group = c.heads_q / c.heads_kv, R = group * c.L;
   const int threads = std::max(1, c.threads);
 
-  // Ranges per (sequence, kv head).
+  // Ranges per (sequence, kv head), over the keys some query sees: the band of queries 0 .. L-1
+  // (is_causal, the window) is [lo_offset, L - 1 + hi_offset], so with a sliding window only the
+  // window's keys are split and read, whatever S is. A pair whose band is empty has no range.
   const int64_t pairs = c.N * c.heads_kv;
   const int64_t per = std::max<int64_t>(1, (kTargetItems + pairs - 1) / pairs);
   std::vector<Item> items;
@@ -64,11 +92,13 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
   for (int64_t n = 0; n < c.N; ++n) {
     for (int64_t kvh = 0; kvh < c.heads_kv; ++kvh) {
       first_item[n * c.heads_kv + kvh] = static_cast<int64_t>(items.size());
-      const int64_t S = c.kv[n * c.heads_kv + kvh].S;
-      int64_t len = std::max(kMinSplit, (S + per - 1) / per);
+      const DecodeKv& kv = c.kv[n * c.heads_kv + kvh];
+      const int64_t b0 = p.band_lo ? std::max<int64_t>(0, kv.lo_offset) : 0;
+      const int64_t b1 = p.band_hi ? std::min(kv.S, c.L + kv.hi_offset) : kv.S;
+      int64_t len = std::max(kMinSplit, (b1 - b0 + per - 1) / per);
       len = (len + 63) / 64 * 64;
-      for (int64_t j0 = 0; j0 < S; j0 += len) {
-        items.push_back({n, kvh, j0, std::min(S, j0 + len)});
+      for (int64_t j0 = b0; j0 < b1; j0 += len) {
+        items.push_back({n, kvh, j0, std::min(b1, j0 + len)});
       }
     }
   }
@@ -84,6 +114,7 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
     std::vector<float> qrows(static_cast<size_t>(R * p.Ep), 0.0f);
     std::vector<int64_t> pos(static_cast<size_t>(R));
     std::vector<const float*> mask(static_cast<size_t>(R));
+    std::vector<float> slope2(static_cast<size_t>(R));
     int64_t packed = -1;  // the (n, kv head) whose queries qrows holds
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < items.size(); ++t) {
@@ -98,20 +129,23 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
             detail::convert_elements(src, c.q_dtype, qrows.data() + r * p.Ep, DType::kFloat32, p.E);
             pos[r] = i;
             mask[r] = c.mask != nullptr ? c.mask + it.n * c.mask_n + h * c.mask_h + i * c.mask_i : nullptr;
+            if (c.alibi != nullptr) slope2[r] = c.alibi[it.n * c.alibi_n + h * c.alibi_h] * std::numbers::log2e_v<float>;
           }
         }
       }
       float* part = parts.data() + static_cast<int64_t>(t) * part_floats;
-      const DecodeItem di{qrows.data(), pos.data(), mask.data(), R, it.j0, it.j1,
-                          part, part + R, part + 2 * R};
+      const DecodeItem di{qrows.data(), pos.data(), mask.data(), c.alibi != nullptr ? slope2.data() : nullptr,
+                          R, it.j0, it.j1, part, part + R, part + 2 * R};
       kernel.split(p, c.kv[it.n * c.heads_kv + it.kvh], di, ws.data());
     }
   }
 
-  // Merge: row r's ranges s, with m_s, l_s, acc_s, combine as
-  //   M = max m_s,  l = sum l_s 2^(m_s - M),  o = sum acc_s 2^(m_s - M) / l,
+  // Merge: row r's ranges s, with m_s, l_s, acc_s, and its head's sink logit s2 (base 2; -inf
+  // for none), combine as
+  //   M = max(s2, max m_s),  l = 2^(s2 - M) + sum l_s 2^(m_s - M),  o = sum acc_s 2^(m_s - M) / l,
   // skipping a range whose factor is 0 (its weights all underflow: a zero weight never
-  // multiplies a value). A row with no visible key (l = 0) is 0 with LSE -inf.
+  // multiplies a value). The sink is one logit with no value, counted here once (not in each
+  // range's partial). A row with no visible key is 0 with LSE -inf, or the sink with one.
   const int64_t o_size = dtype_size(c.o_dtype);
 #pragma omp parallel num_threads(threads)
   {
@@ -122,7 +156,9 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
       const int64_t s0 = first_item[pair], s1 = first_item[pair + 1];
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = kvh * group + r / c.L, i = r % c.L;
-        float M = -std::numeric_limits<float>::infinity();
+        const float sink2 = c.sinks != nullptr ? c.sinks[h * c.sinks_h] * std::numbers::log2e_v<float>
+                                               : -std::numeric_limits<float>::infinity();
+        float M = sink2;
         bool nan = false;
         for (int64_t s = s0; s < s1; ++s) {
           const float m = parts[s * part_floats + r], l = parts[s * part_floats + R + r];
@@ -145,6 +181,7 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
             const float* acc = part + 2 * R + r * p.Evp;
             for (int64_t e = 0; e < p.Ev; ++e) row[e] += acc[e] * f;
           }
+          if (c.sinks != nullptr) L += std::exp2(sink2 - M);
           const float inv = 1.0f / L;
           for (int64_t e = 0; e < p.Ev; ++e) row[e] *= inv;
         }
@@ -188,7 +225,8 @@ SdpaResult decode_forward(const DecodeKernel& kernel, const TensorView& q_in, co
   c.heads_kv = p.heads_kv;
   c.L = p.L;
   DecodeParams& dp = c.params;
-  dp = make_decode_params(p.E, p.Ev, p.kv_dtype, flash_softmax_scale(p), p.causal);
+  dp = make_decode_params(p.E, p.Ev, p.kv_dtype, flash_softmax_scale(p), p.causal,
+                          {p.window_left, p.window_right}, p.softcap);
 
   c.q = q.raw_data();
   c.q_dtype = p.dtype;
@@ -208,6 +246,15 @@ SdpaResult decode_forward(const DecodeKernel& kernel, const TensorView& q_in, co
     dp.mask_col = p.mask.stride(-1);
     dp.mask_is_bool = p.mask_is_bool;
   }
+  if (p.alibi.defined()) {  // (H) or (B, H), as SdpaProblem::alibi_slope reads it
+    c.alibi = p.alibi.data();
+    c.alibi_n = p.alibi.dim() == 2 ? p.alibi.stride(0) : 0;
+    c.alibi_h = p.alibi.stride(-1);
+  }
+  if (p.sinks.defined()) {
+    c.sinks = p.sinks.data();
+    c.sinks_h = p.sinks.stride(0);
+  }
 
   int64_t k_n, k_h, v_n, v_h;
   lead_strides(k, p, k_n, k_h);
@@ -222,7 +269,7 @@ SdpaResult decode_forward(const DecodeKernel& kernel, const TensorView& q_in, co
       kv.k_row = k.stride(-2), kv.v_row = v.stride(-2);
       kv.page_size = std::max<int64_t>(p.S, 1);  // one page: the whole head
       kv.S = p.S;
-      kv.causal_offset = p.causal_offset;
+      set_decode_band(dp, p.diag_offset, kv);  // causal_offset is diag_offset whenever causal
     }
   }
   c.threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();

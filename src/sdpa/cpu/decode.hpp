@@ -35,6 +35,12 @@ struct DecodeCall {
   int64_t lse_n = 0, lse_h = 0, lse_i = 0;
   const float* mask = nullptr;
   int64_t mask_n = 0, mask_h = 0, mask_i = 0;
+  // Per query head h of sequence n: the ALiBi slope alibi[n * alibi_n + h * alibi_h] and the sink
+  // logit sinks[h * sinks_h] (natural log, added once per row at the merge); null for none.
+  const float* alibi = nullptr;
+  int64_t alibi_n = 0, alibi_h = 0;
+  const float* sinks = nullptr;
+  int64_t sinks_h = 0;
   std::vector<DecodeKv> kv;  // N * heads_kv, (n, kv head) row-major
   int threads = 1;
 };
@@ -42,8 +48,13 @@ struct DecodeCall {
 void run_decode(const DecodeKernel& kernel, const DecodeCall& call);
 
 KvType kv_type_of(DType dtype);  // float32, bfloat16, float16 or int8
-// A call's constants: padded sizes, the element type, the softmax scale in base 2.
-DecodeParams make_decode_params(int64_t E, int64_t Ev, DType kv_dtype, double scale, bool causal);
+// A call's constants: padded sizes, the element type, the softmax scale in base 2, the band's
+// sides (is_causal, window_size: -1 unbounded) and the softcap (0: none).
+DecodeParams make_decode_params(int64_t E, int64_t Ev, DType kv_dtype, double scale, bool causal,
+                                WindowSize window = {}, double softcap = 0);
+// One (sequence, kv head)'s band for queries placed at i' = i + diag_offset (S - L bottom-right,
+// 0 top-left): key j is visible iff i' - left <= j <= i' + right and, causal, j <= i'.
+void set_decode_band(const DecodeParams& p, int64_t diag_offset, DecodeKv& kv);
 // E or Ev rounded up to the padding the kernels use.
 inline int64_t decode_padded(int64_t n) { return (n + 15) / 16 * 16; }
 

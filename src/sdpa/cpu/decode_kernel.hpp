@@ -20,6 +20,16 @@
 // on and the value row it will need next (a burst of prefetches at once stalls on the fill
 // buffers instead; measured).
 //
+// Variants: per row and chunk, after the scale and in the fused forward's order, softcap
+// (c2 tanh(x / c2), tanhv) then ALiBi (x -= slope2 |i' - j|, slope2 the row's own: the rows of
+// an item belong to several query heads), then the band (is_causal and the window: each row's
+// [i + lo_offset, i + hi_offset]) and attn_mask assign -inf. With none of them used the chunk
+// loop pays one test per row and chunk, none per element. Keys outside every row's band are
+// never loaded: the driver cuts its ranges to the band of the item's rows, so a sliding window
+// reads (E + Ev) * (window + L) elements per kv head, not (E + Ev) * S, and this kernel trims the
+// ends of an item that straddles the band. Sinks are not the kernel's: the driver adds each
+// row's sink once, when it merges the ranges (decode.cpp).
+//
 // Numerics: as the fused forward's (flash_kernel.hpp): scores are scaled once after the dot
 // product, masked positions get -inf (never added), a zero probability never multiplies a
 // value (so NaN/Inf in a value whose weight is 0 cannot leak), and a row with no visible key
@@ -373,6 +383,27 @@ inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, f
   for (; r < R; ++r) st[r * kDecodeChunk] = dot_row<T>(q + r * Ep, k, Ep) * s;
 }
 
+// The score modifiers on one row's chunk of base-2 scores sr[0, nkp), in place and in the fused
+// forward's order (flash_kernel.hpp's modify_block): softcap x = c2 tanh(x / c2), then ALiBi
+// x -= slope2 |i' - j| with d0 = i' - c0 the distance to the chunk's first key. The padding past
+// the chunk's keys is overwritten with -inf afterwards.
+inline void modify_row(float softcap2, float slope2, int64_t d0, int64_t nkp, float* sr) {
+  if (softcap2 > 0.0f) {
+    const float inv_c = 1.0f / softcap2;
+    for (int64_t u = 0; u < nkp; u += W) store(sr + u, tanhv(load(sr + u) * inv_c) * softcap2);
+  }
+  if (slope2 != 0.0f) {
+    vf lane_u;
+    for (int l = 0; l < W; ++l) lane_u[l] = static_cast<float>(l);
+    const vf slope = splat(slope2);
+    for (int64_t u = 0; u < nkp; u += W) {
+      const vf d = splat(static_cast<float>(d0 - u)) - lane_u;  // i' - j, exact (|d| < 2^24)
+      const vf dist = d < 0.0f ? -d : d;
+      store(sr + u, load(sr + u) - slope * dist);
+    }
+  }
+}
+
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, float* ws) {
   float* st = ws;
@@ -393,20 +424,27 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
   const bool k_in_place = p.E == p.Ep, v_in_place = p.Ev == p.Evp;
   constexpr float kLog2e = 1.4426950408889634f;
   const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
+  const bool modify = p.softcap2 > 0.0f || it.alibi2 != nullptr;
 
-  // Keys past every row's causal limit are read by no row.
-  int64_t j_end = it.j1;
-  if (p.causal) {
-    int64_t last = -1;
-    for (int64_t r = 0; r < it.R; ++r) last = it.query_pos[r] + kv.causal_offset > last ? it.query_pos[r] + kv.causal_offset : last;
-    j_end = imin(j_end, last + 1);
+  // Keys outside every row's band are read by no row: past the last row's upper limit, before
+  // the first row's lower one. (The driver cuts its ranges to the band already; this trims the
+  // ends of an item that straddles them.)
+  int64_t j_begin = it.j0, j_end = it.j1;
+  if (p.band_lo || p.band_hi) {
+    int64_t first = it.query_pos[0], last = it.query_pos[0];
+    for (int64_t r = 1; r < it.R; ++r) {
+      first = it.query_pos[r] < first ? it.query_pos[r] : first;
+      last = it.query_pos[r] > last ? it.query_pos[r] : last;
+    }
+    if (p.band_hi) j_end = imin(j_end, last + kv.hi_offset + 1);
+    if (p.band_lo && first + kv.lo_offset > j_begin) j_begin = first + kv.lo_offset;
   }
   for (int64_t r = 0; r < it.R; ++r) {
     it.m[r] = kNegInf;
     it.l[r] = 0.0f;
     zero(it.acc + r * p.Evp, p.Evp);
   }
-  if (it.j0 >= j_end) return;
+  if (j_begin >= j_end) return;
   if (lanes) {
     for (int64_t e = 0; e < p.Ep; ++e) {
       for (int64_t r = 0; r < Rp; ++r) qt[e * Rp + r] = r < it.R ? it.q[r * p.Ep + e] : 0.0f;
@@ -414,9 +452,9 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
   }
 
   int cur = 0;  // rows[2 * cur] (K) and rows[2 * cur + 1] (V) hold the chunk at c0
-  chunk_rows<T>(kv, false, it.j0, imin(kDecodeChunk, j_end - it.j0), rows[0], scales[0]);
-  chunk_rows<T>(kv, true, it.j0, imin(kDecodeChunk, j_end - it.j0), rows[1], scales[1]);
-  for (int64_t c0 = it.j0; c0 < j_end; c0 += kDecodeChunk) {
+  chunk_rows<T>(kv, false, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[0], scales[0]);
+  chunk_rows<T>(kv, true, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[1], scales[1]);
+  for (int64_t c0 = j_begin; c0 < j_end; c0 += kDecodeChunk) {
     const int64_t nk = imin(kDecodeChunk, j_end - c0);
     const int64_t nkp = (nk + W - 1) / W * W;
     const char* const* kr = rows[2 * cur];
@@ -459,9 +497,16 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
 
     for (int64_t r = 0; r < it.R; ++r) {
       float* sr = st + r * kDecodeChunk;
-      if (p.causal) {
-        const int64_t limit = it.query_pos[r] + kv.causal_offset;
+      const int64_t i = it.query_pos[r];
+      // One test per row and chunk, none per element, when no variant is used.
+      if (modify) modify_row(p.softcap2, it.alibi2 != nullptr ? it.alibi2[r] : 0.0f, i + kv.diag_offset - c0, nkp, sr);
+      if (p.band_hi) {  // keys j > i + hi_offset
+        const int64_t limit = i + kv.hi_offset;
         for (int64_t u = limit + 1 - c0 < 0 ? 0 : limit + 1 - c0; u < nk; ++u) sr[u] = kNegInf;
+      }
+      if (p.band_lo) {  // keys j < i + lo_offset
+        const int64_t limit = imin(i + kv.lo_offset - c0, nk);
+        for (int64_t u = 0; u < limit; ++u) sr[u] = kNegInf;
       }
       if (it.mask[r] != nullptr) {
         const float* mr = it.mask[r] + c0 * p.mask_col;

@@ -8,6 +8,12 @@
 // (max m, sum l, unnormalised accumulator acc), and the driver merges the ranges through their
 // LSEs. Keys and values are addressed through pages (a contiguous cache is one page), so the
 // same kernel reads attn::PagedKvCache in place.
+//
+// Variants (SdpaOptions' window_size, softcap, alibi_slopes, sinks): the band (is_causal and the
+// window) is two offsets per DecodeKv, since each sequence of a paged call has its own length;
+// softcap is call-wide; ALiBi's slope is per row (rows of one item belong to different query
+// heads). Sinks never reach the kernel: they are one logit per row with no value, which the
+// driver adds once at the merge (a partial of every range would count it once per range).
 #pragma once
 
 #include <cstdint>
@@ -32,8 +38,10 @@ struct DecodeKv {
   int64_t scale_page = 0;
   const int64_t* pages = nullptr;
   int64_t page_size = 0;
-  int64_t S = 0;              // tokens held
-  int64_t causal_offset = 0;  // key j is visible to query i iff j <= i + causal_offset (causal)
+  int64_t S = 0;  // tokens held
+  // The band of query i: key j is visible iff i + lo_offset <= j (with DecodeParams::band_lo)
+  // and j <= i + hi_offset (with band_hi); ALiBi's distance is |i + diag_offset - j|.
+  int64_t lo_offset = 0, hi_offset = 0, diag_offset = 0;
 };
 
 // One call's constants.
@@ -42,7 +50,12 @@ struct DecodeParams {
   int64_t Ep = 0, Evp = 0;  // E and Ev rounded up to a multiple of 16 (every ISA's width divides)
   KvType kv = KvType::kFloat32;
   float scale_log2 = 0;     // softmax scale times log2(e): scores are kept in base 2
+  // The variants as given (the driver turns them into each DecodeKv's offsets) ...
   bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // -1: unbounded on that side
+  // ... and as the kernel reads them: which sides of the band bound the keys, the softcap.
+  bool band_lo = false, band_hi = false;
+  float softcap2 = 0;       // softcap times log2(e) (0: none): x = c2 tanh(x / c2) in base 2
   int64_t mask_col = 0;     // element stride between keys of a mask row
   bool mask_is_bool = true;
 };
@@ -50,8 +63,9 @@ struct DecodeParams {
 // One work item: R query rows against keys [j0, j1) of one DecodeKv.
 struct DecodeItem {
   const float* q;            // (R, Ep) float32, zero-padded past E
-  const int64_t* query_pos;  // (R): each row's query index i (the causal limit is i + offset)
+  const int64_t* query_pos;  // (R): each row's query index i (its band: DecodeKv's offsets)
   const float* const* mask;  // (R): each row's mask row (key 0), or nullptr for no mask
+  const float* alibi2;       // (R): each row's ALiBi slope times log2(e), or nullptr for none
   int64_t R;
   int64_t j0, j1;
   float* m;    // (R) out: base-2 running max of the range's visible scores (-inf if none)

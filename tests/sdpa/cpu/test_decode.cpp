@@ -3,12 +3,22 @@
 // Rule: error vs float64 <= 2x the float32 reference's error (plus a tiny floor); for 16-bit
 // keys/values the truth is float64 of the rounded values. Long key ranges are split across
 // work items and merged through their LSEs, so the cases include S large enough to split.
+// The variants (window_size, softcap, alibi_slopes, sinks) each and in pairs, with the same rule
+// for output and LSE; a sliding window reads only the window's keys (the others are made
+// unreadable memory).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
+
+#if defined(__unix__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "attn/attn.hpp"
 #include "sdpa/cpu/sdpa_cases.hpp"
@@ -92,20 +102,26 @@ TEST_P(Decode, Float32QueriesAgainstSixteenBitKeysAndValues) {
   }
 }
 
-TEST_P(Decode, SameBitsForAnyThreadCount) {
-  const Case c = GetParam();
-  Inputs in = make_inputs(c, 23);
+// Every decode build gives the same output and LSE bits for 1, 2 and 3 threads.
+void expect_same_bits_for_any_thread_count(const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o,
+                                           const std::string& what) {
   for (const std::string& kernel : decode_kernels()) {
-    in.options.kernel = kernel;
-    in.options.num_threads = 1;
-    const SdpaResult one = scaled_dot_product_attention(in.q, in.k, in.v, in.options);
+    o.kernel = kernel;
+    o.num_threads = 1;
+    const SdpaResult one = scaled_dot_product_attention(q, k, v, o);
     for (int t : {2, 3}) {
-      in.options.num_threads = t;
-      const SdpaResult r = scaled_dot_product_attention(in.q, in.k, in.v, in.options);
-      EXPECT_EQ(one.output.to_vector(), r.output.to_vector()) << describe(c) << " " << kernel << " threads " << t;
-      EXPECT_EQ(one.lse.to_vector(), r.lse.to_vector()) << describe(c) << " " << kernel << " threads " << t;
+      o.num_threads = t;
+      const SdpaResult r = scaled_dot_product_attention(q, k, v, o);
+      EXPECT_EQ(one.output.to_vector(), r.output.to_vector()) << what << " " << kernel << " threads " << t;
+      EXPECT_EQ(one.lse.to_vector(), r.lse.to_vector()) << what << " " << kernel << " threads " << t;
     }
   }
+}
+
+TEST_P(Decode, SameBitsForAnyThreadCount) {
+  const Case c = GetParam();
+  const Inputs in = make_inputs(c, 23);
+  expect_same_bits_for_any_thread_count(in.q, in.k, in.v, in.options, describe(c));
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, Decode, testing::ValuesIn(decode_sweep()),
@@ -253,6 +269,268 @@ TEST(DecodeNumerics, UnderflowedEarlierWeightsExcludeAnInfValue) {
     const std::vector<float> out = scaled_dot_product_attention(q, k, v, o).output.to_vector();
     EXPECT_EQ(out[0], 1.0f) << kernel;
     for (int64_t e = 1; e < E; ++e) EXPECT_EQ(out[static_cast<size_t>(e)], 0.0f) << kernel;
+  }
+}
+
+
+// ---- variants ---------------------------------------------------------------------------------------
+
+struct DecodeVariant {
+  const char* name;
+  WindowSize window;
+  std::optional<double> softcap;
+  int alibi = 0;  // 0: none, 1: slopes (H), 2: slopes (B, H)
+  bool sinks = false;
+};
+
+const std::vector<DecodeVariant>& decode_variants() {
+  static const std::vector<DecodeVariant> v = {
+      {"window_100_0", {100, 0}, {}, 0, false},
+      {"window_17_5", {17, 5}, {}, 0, false},
+      {"window_left_700", {700, -1}, {}, 0, false},
+      {"window_right_3", {-1, 3}, {}, 0, false},
+      {"softcap", {}, 2.0, 0, false},
+      {"alibi_h", {}, {}, 1, false},
+      {"alibi_bh", {}, {}, 2, false},
+      {"sinks", {}, {}, 0, true},
+      {"window_sinks", {60, 0}, {}, 0, true},
+      {"softcap_alibi", {}, 3.0, 1, false},
+      {"window_alibi", {300, 2}, {}, 2, false},
+      {"softcap_sinks", {}, 2.5, 0, true},
+      {"alibi_sinks", {}, {}, 1, true},
+      {"all", {250, 1}, 4.0, 2, true},
+  };
+  return v;
+}
+
+// One case: B sequences, Hq = 2 * group query heads on 2 kv heads, L new queries, S keys.
+struct VariantCase {
+  int64_t L, S, group, E;
+  bool bottom_right, causal;
+  int variant;
+  DType kv;  // float32, or a 16-bit cache read by float32 queries
+};
+
+std::string vdescribe(const VariantCase& c) {
+  return "L" + std::to_string(c.L) + " S" + std::to_string(c.S) + " group" + std::to_string(c.group) +
+         " E" + std::to_string(c.E) + (c.bottom_right ? " bottom-right" : " top-left") +
+         (c.causal ? " causal" : "") + " " + decode_variants()[c.variant].name + " kv " + std::string(dtype_name(c.kv));
+}
+void PrintTo(const VariantCase& c, std::ostream* os) { *os << vdescribe(c); }
+
+// Every (L, S) of the issue with every variant; GQA group, alignment, causality, head dim and the
+// cache dtype rotate, so each variant meets each of them several times.
+std::vector<VariantCase> variant_sweep() {
+  std::vector<VariantCase> out;
+  const int64_t groups[] = {1, 4, 8}, Es[] = {64, 80, 128, 32};
+  const DType kvs[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  const int nv = static_cast<int>(decode_variants().size());
+  int n = 0;
+  for (int64_t L : {1, 3, 16}) {
+    for (int64_t S : {1, 100, 1000, 5000}) {
+      for (int v = 0; v < nv; ++v, ++n) {
+        out.push_back({L, S, groups[n % 3], Es[n % 4], (n / 2) % 2 == 0, n % 5 < 3, v, kvs[(n / 3) % 3]});
+      }
+    }
+  }
+  return out;
+}
+
+struct VariantInputs {
+  Tensor q, k, v, slopes, sinks;
+  SdpaOptions options;
+};
+
+// q float32; k, v in c.kv (their float32 widening is exact, and what the truth is computed on).
+VariantInputs make_variant_inputs(const VariantCase& c, uint64_t seed) {
+  manual_seed(seed);
+  const DecodeVariant& var = decode_variants()[c.variant];
+  const int64_t B = c.S >= 5000 ? 1 : 2, Hq = 2 * c.group;
+  VariantInputs in;
+  in.q = randn({B, Hq, c.L, c.E});
+  in.k = randn({B, 2, c.S, c.E}).to(c.kv);
+  in.v = randn({B, 2, c.S, c.E}).to(c.kv);
+  SdpaOptions& o = in.options;
+  o.enable_gqa = c.group > 1;
+  o.is_causal = c.causal;
+  o.causal_alignment = c.bottom_right ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
+  o.need_lse = true;
+  o.window_size = var.window;
+  o.softcap = var.softcap;
+  if (var.softcap) o.scale = 1.5 / std::sqrt(static_cast<double>(c.E));  // scores where tanh bends
+  if (var.alibi != 0) {
+    in.slopes = var.alibi == 1 ? Tensor::empty({Hq}) : Tensor::empty({B, Hq});
+    const int64_t n = in.slopes.numel();
+    for (int64_t h = 0; h < n; ++h) in.slopes.data()[h] = std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(n));
+    o.alibi_slopes = in.slopes;
+  }
+  if (var.sinks) {
+    in.sinks = randn({Hq});
+    for (int64_t h = 0; h < Hq; ++h) in.sinks.data()[h] *= 3.0f;  // from negligible to dominant
+    o.sinks = in.sinks;
+  }
+  return in;
+}
+
+class DecodeVariants : public testing::TestWithParam<VariantCase> {};
+
+TEST_P(DecodeVariants, ErrorWithinTwiceTheReferenceErrorForOutputAndLse) {
+  const VariantCase c = GetParam();
+  const VariantInputs in = make_variant_inputs(c, 31);
+  const Tensor k32 = in.k.to(DType::kFloat32), v32 = in.v.to(DType::kFloat32);
+  SdpaOptions ref = in.options;
+  ref.backend = SdpaBackend::kReference;
+  const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(in.q, k32, v32, ref);
+  const SdpaResult r = scaled_dot_product_attention(in.q, k32, v32, ref);
+  const double ref_err = max_abs_err(r.output, truth.output), ref_lse_err = max_abs_err(r.lse, truth.lse);
+  ASSERT_TRUE(std::isfinite(ref_err) && std::isfinite(ref_lse_err)) << vdescribe(c);
+  for (const std::string& kernel : decode_kernels()) {
+    SdpaOptions o = in.options;
+    o.kernel = kernel;
+    const SdpaResult f = scaled_dot_product_attention(in.q, in.k, in.v, o);
+    EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * ref_err + 1e-6)
+        << vdescribe(c) << " " << kernel << " (reference error " << ref_err << ")";
+    EXPECT_LE(max_abs_err(f.lse, truth.lse), 2.0 * ref_lse_err + 1e-6)
+        << vdescribe(c) << " lse " << kernel << " (reference error " << ref_lse_err << ")";
+  }
+  // kAuto takes a decode kernel for them (none refuses a variant).
+  EXPECT_TRUE(sdpa_kernel_name(in.q, in.k, in.v, in.options).starts_with("cpu.decode.")) << vdescribe(c);
+}
+
+TEST_P(DecodeVariants, SameBitsForOneTwoAndThreeThreads) {
+  const VariantCase c = GetParam();
+  const VariantInputs in = make_variant_inputs(c, 32);
+  expect_same_bits_for_any_thread_count(in.q, in.k, in.v, in.options, vdescribe(c));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, DecodeVariants, testing::ValuesIn(variant_sweep()),
+                         [](const testing::TestParamInfo<VariantCase>& info) {
+                           return "case" + std::to_string(info.index) + "_" + decode_variants()[info.param.variant].name;
+                         });
+
+// A row that sees no key (top-left window (0, 0) with S < L) has output 0 and LSE its sink, also
+// when its sequence is long enough to be split into several ranges for the other rows.
+TEST(DecodeVariantPolicy, ARowThatSeesNoKeyIsZeroWithLseTheSink) {
+  manual_seed(3);
+  const Tensor q = randn({1, 4, 16, 32}), k = randn({1, 2, 10, 32}), v = randn({1, 2, 10, 32});
+  Tensor sinks = Tensor::empty({4});
+  for (int64_t h = 0; h < 4; ++h) sinks.data()[h] = 0.5f * static_cast<float>(h) - 1.0f;
+  SdpaOptions o;
+  o.enable_gqa = true;
+  o.window_size = {0, 0};
+  o.sinks = sinks;
+  o.need_lse = true;
+  for (const std::string& kernel : decode_kernels()) {
+    o.kernel = kernel;
+    const SdpaResult r = scaled_dot_product_attention(q, k, v, o);
+    for (int64_t h = 0; h < 4; ++h) {
+      for (int64_t i = 10; i < 16; ++i) {
+        EXPECT_FLOAT_EQ(r.lse.at({0, h, i}), sinks.data()[h]) << kernel;
+        for (int64_t e = 0; e < 32; ++e) EXPECT_EQ(r.output.at({0, h, i, e}), 0.0f) << kernel;
+      }
+    }
+  }
+}
+
+#if defined(__unix__)
+// Memory of which only rows [lo, hi) of a (1, 1, S, E) float32 tensor may be read: the rest is
+// mapped PROT_NONE, so reading it kills the test. E * 4 is the OS page size, one row a page.
+class GuardedRows {
+ public:
+  GuardedRows(int64_t S, int64_t E, int64_t lo, int64_t hi, const Tensor& values) : bytes_(S * E * 4) {
+    void* m = mmap(nullptr, static_cast<size_t>(bytes_), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    EXPECT_NE(m, MAP_FAILED);
+    base_ = static_cast<float*>(m);
+    std::memcpy(base_, values.data(), static_cast<size_t>(bytes_));
+    const int64_t row = E * 4;
+    if (lo > 0) mprotect(base_, static_cast<size_t>(lo * row), PROT_NONE);
+    if (hi < S) mprotect(reinterpret_cast<char*>(base_) + hi * row, static_cast<size_t>((S - hi) * row), PROT_NONE);
+    view_ = TensorView(base_, Shape{1, 1, S, E});
+  }
+  ~GuardedRows() { munmap(base_, static_cast<size_t>(bytes_)); }
+  GuardedRows(const GuardedRows&) = delete;
+  GuardedRows& operator=(const GuardedRows&) = delete;
+  const TensorView& view() const { return view_; }
+
+ private:
+  int64_t bytes_;
+  float* base_ = nullptr;
+  TensorView view_;
+};
+
+// A sliding window reads the window's keys and values only, whatever S: every other row of K
+// and V is unreadable memory. The result equals the call on readable copies, bit for bit.
+TEST(DecodeVariantWindow, KeysOutsideTheWindowAreNeverRead) {
+  const int64_t E = sysconf(_SC_PAGESIZE) / 4, S = 3000;
+  struct W {
+    int64_t L;
+    WindowSize w;
+    bool bottom_right, causal;
+  };
+  const W windows[] = {{1, {100, 0}, true, true}, {3, {100, 0}, true, true}, {16, {64, -1}, true, true},
+                       {3, {40, 7}, false, false}, {16, {5, 30}, false, true}};
+  manual_seed(9);
+  const Tensor k = randn({1, 1, S, E}), v = randn({1, 1, S, E});
+  Tensor slopes = Tensor::empty({8}), sinks = randn({8});
+  for (int64_t h = 0; h < 8; ++h) slopes.data()[h] = 0.01f * static_cast<float>(h + 1);
+  for (const W& w : windows) {
+    const Tensor q = randn({1, 8, w.L, E});
+    const int64_t diag = w.bottom_right ? S - w.L : 0;
+    const int64_t lo = std::max<int64_t>(0, diag - w.w.left);
+    int64_t hi = w.w.right >= 0 ? diag + w.L - 1 + w.w.right + 1 : S;
+    if (w.causal) hi = std::min(hi, diag + w.L);
+    hi = std::min(hi, S);
+    const GuardedRows gk(S, E, lo, hi, k), gv(S, E, lo, hi, v);
+    for (int mods = 0; mods < 2; ++mods) {
+      SdpaOptions o;
+      o.enable_gqa = true;
+      o.need_lse = true;
+      o.is_causal = w.causal;
+      o.causal_alignment = w.bottom_right ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
+      o.window_size = w.w;
+      if (mods == 1) {
+        o.softcap = 20.0;
+        o.alibi_slopes = slopes;
+        o.sinks = sinks;
+      }
+      for (const std::string& kernel : decode_kernels()) {
+        o.kernel = kernel;
+        const SdpaResult guarded = scaled_dot_product_attention(q, gk.view(), gv.view(), o);
+        const SdpaResult plain = scaled_dot_product_attention(q, k, v, o);
+        EXPECT_EQ(guarded.output.to_vector(), plain.output.to_vector()) << kernel << " L" << w.L << " mods " << mods;
+        EXPECT_EQ(guarded.lse.to_vector(), plain.lse.to_vector()) << kernel << " L" << w.L << " mods " << mods;
+      }
+    }
+  }
+}
+#endif
+
+// Non-finite keys and values outside the window change nothing (they are never read, and were
+// they read, a hidden key's score would be -inf and its weight a skipped 0).
+TEST(DecodeVariantWindow, NonFiniteKeysAndValuesOutsideTheWindowChangeNothing) {
+  manual_seed(10);
+  const int64_t S = 5000, L = 3;
+  const Tensor q = randn({1, 8, L, 64}), k = randn({1, 2, S, 64}), v = randn({1, 2, S, 64});
+  Tensor kp = k.to(DType::kFloat32), vp = v.to(DType::kFloat32);
+  const int64_t first = S - L - 200;  // the window's first key (row 0's i' - 200)
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t j = 0; j < first; ++j) {
+      for (int64_t e = 0; e < 64; ++e) kp.at({0, h, j, e}) = NAN, vp.at({0, h, j, e}) = INFINITY;
+    }
+  }
+  SdpaOptions o;
+  o.enable_gqa = true;
+  o.need_lse = true;
+  o.causal_alignment = CausalAlignment::kBottomRight;
+  o.window_size = {200, 0};
+  for (DType kv : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (const std::string& kernel : decode_kernels()) {
+      o.kernel = kernel;
+      const SdpaResult a = scaled_dot_product_attention(q, kp.to(kv), vp.to(kv), o);
+      const SdpaResult b = scaled_dot_product_attention(q, k.to(kv), v.to(kv), o);
+      EXPECT_EQ(a.output.to_vector(), b.output.to_vector()) << kernel << " " << dtype_name(kv);
+      EXPECT_EQ(a.lse.to_vector(), b.lse.to_vector()) << kernel << " " << dtype_name(kv);
+    }
   }
 }
 
