@@ -22,7 +22,12 @@ bool broadcasts_to(const Shape& from, const Shape& to) {
   return true;
 }
 
-// A per-head float32 parameter (ALiBi slopes, sinks): shape one of `allowed`, finite values.
+// The fused kernels keep scores in base 2 in float32: a slope, a sink or a softcap enters them
+// as float(value * log2(e)), which must stay finite (scale has the same bound).
+constexpr double kMaxBase2 = std::numeric_limits<float>::max() / std::numbers::log2e;
+
+// A per-head float32 parameter (ALiBi slopes, sinks): shape one of `allowed`, finite values
+// within kMaxBase2.
 void check_head_param(const TensorView& t, const char* name, const std::vector<Shape>& allowed) {
   std::string want;
   for (const Shape& s : allowed) want += (want.empty() ? "" : " or ") + s.str();
@@ -38,9 +43,10 @@ void check_head_param(const TensorView& t, const char* name, const std::vector<S
                                  want, t.shape().str()));
   }
   for_each_offset(t, [&](int64_t off) {
-    if (!std::isfinite(t.data()[off])) {
-      throw ValueError(fmt::format("scaled_dot_product_attention: {} must be finite, got {}", name,
-                                   t.data()[off]));
+    if (!std::isfinite(t.data()[off]) || std::fabs(static_cast<double>(t.data()[off])) > kMaxBase2) {
+      throw ValueError(fmt::format("scaled_dot_product_attention: {} must be finite, at most {:.4g} "
+                                   "in magnitude (float32 range of value * log2(e)), got {}",
+                                   name, kMaxBase2, t.data()[off]));
     }
   });
 }
@@ -56,9 +62,13 @@ void check_variants(const SdpaOptions& o, SdpaProblem& p) {
   p.window_right = w.right;
   p.diag_offset = o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
   if (o.softcap) {
-    if (!(*o.softcap > 0.0) || !std::isfinite(*o.softcap)) {
+    // Below float32's smallest normal the kernels' 1 / softcap would be infinite (or softcap
+    // itself 0); above kMaxBase2 softcap * log2(e) would be.
+    constexpr double kMinSoftcap = std::numeric_limits<float>::min();
+    if (!(*o.softcap >= kMinSoftcap && *o.softcap <= kMaxBase2)) {
       throw ValueError(fmt::format("scaled_dot_product_attention: softcap must be a finite value "
-                                   "> 0 (unset for none), got {}", *o.softcap));
+                                   "> 0, in [{:.4g}, {:.4g}] (float32's normal range; unset for "
+                                   "none), got {}", kMinSoftcap, kMaxBase2, *o.softcap));
     }
     p.softcap = *o.softcap;
   }

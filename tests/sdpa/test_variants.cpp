@@ -513,7 +513,8 @@ TEST(VariantBadInput, TypedErrorsNameTheArgumentAndTheValue) {
   o.window_size = {-2, 0};
   expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, o); }, "window_size");
   expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, o); }, "(-2, 0)");
-  for (double bad : {0.0, -1.0, static_cast<double>(INFINITY)}) {
+  // Beyond float32's normal range the kernels' 1/softcap or softcap * log2(e) is infinite.
+  for (double bad : {0.0, -1.0, static_cast<double>(INFINITY), 1e-300, 1e-39, 2.4e38, 1e300}) {
     SdpaOptions c;
     c.softcap = bad;
     expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, c); }, "softcap");
@@ -538,6 +539,21 @@ TEST(VariantBadInput, TypedErrorsNameTheArgumentAndTheValue) {
   nan_sinks.data()[1] = NAN;
   s.sinks = nan_sinks;
   expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, s); }, "finite");
+  // Finite float32 values whose base-2 form float(x * log2(e)) would overflow: refused too.
+  for (float big : {3e38f, -2.4e38f}) {
+    Tensor huge = Tensor::zeros({3});
+    huge.data()[2] = big;
+    SdpaOptions hs, ha;
+    hs.sinks = huge;
+    ha.alibi_slopes = huge;
+    expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, hs); }, "sinks");
+    expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, ha); }, "alibi_slopes");
+  }
+  for (double edge : {1.2e-38, 2.3e38}) {  // inside the range: accepted
+    SdpaOptions c;
+    c.softcap = edge;
+    EXPECT_NO_THROW((void)scaled_dot_product_attention(q, k, v, c)) << edge;
+  }
   // (B, H) slopes need 4-D inputs; 3-D inputs take (H) only.
   const Tensor q3 = randn({3, 4, 8}), k3 = randn({3, 5, 8}), v3 = randn({3, 5, 8});
   SdpaOptions bh;
