@@ -1,5 +1,6 @@
 #include "sdpa/problem.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numbers>
@@ -58,8 +59,11 @@ void check_variants(const SdpaOptions& o, SdpaProblem& p) {
     throw ValueError(fmt::format("scaled_dot_product_attention: window_size must be (left, right) "
                                  "with each >= -1 (-1 = unbounded), got ({}, {})", w.left, w.right));
   }
-  p.window_left = w.left;
-  p.window_right = w.right;
+  // A side of L + S or more hides nothing more than L + S does (|i' - j| < L + S): clamp it, so
+  // that i' - left and i' + right cannot overflow (INT64_MAX is a valid "the whole sequence").
+  const int64_t reach = p.L + p.S;
+  p.window_left = std::min(w.left, reach);
+  p.window_right = std::min(w.right, reach);
   p.diag_offset = o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
   if (o.softcap) {
     // Below float32's smallest normal the kernels' 1 / softcap would be infinite (or softcap

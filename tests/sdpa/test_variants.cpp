@@ -431,6 +431,33 @@ TEST(VariantEquivalence, HuggingFaceSlidingWindowIsLeftWMinusOneWithCausal) {
   for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 2e-6);
 }
 
+TEST(VariantEquivalence, WindowSidesBeyondTheSequencesAreUnboundedAndNeverOverflow) {
+  // i' - left and i' + right with sides up to INT64_MAX (found by fuzz_sdpa: signed overflow),
+  // with both alignments and L > S (i' < 0 for bottom-right).
+  manual_seed(6);
+  const Tensor q = randn({1, 2, 9, 8}), k = randn({1, 2, 4, 8}), v = randn({1, 2, 4, 8});
+  const int64_t huge[3] = {std::numeric_limits<int64_t>::max(), int64_t{1} << 62, 13};
+  for (const CausalAlignment align : {CausalAlignment::kTopLeft, CausalAlignment::kBottomRight}) {
+    for (const std::string kernel : {"reference", "cpu.flash.generic"}) {
+      SdpaOptions plain;
+      plain.is_causal = true;
+      plain.causal_alignment = align;
+      plain.kernel = kernel;
+      plain.need_lse = true;
+      const SdpaResult want = scaled_dot_product_attention(q, k, v, plain);
+      for (const int64_t left : huge) {
+        for (const int64_t right : huge) {
+          SdpaOptions o = plain;
+          o.window_size = {left, right};
+          const SdpaResult got = scaled_dot_product_attention(q, k, v, o);
+          EXPECT_EQ(got.output.to_vector(), want.output.to_vector()) << left << " " << right << " " << kernel;
+          EXPECT_EQ(got.lse.to_vector(), want.lse.to_vector()) << left << " " << right << " " << kernel;
+        }
+      }
+    }
+  }
+}
+
 TEST(VariantPolicy, AFullyMaskedRowWithASinkHasOutputZeroAndLseTheSink) {
   manual_seed(2);
   // Top-left window (0, 0) with S < L: rows i >= S see no key.
