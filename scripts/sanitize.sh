@@ -14,8 +14,9 @@
 #       gives no report with it (without it, OMP_TOOL=disabled, TSan reports a false race there:
 #       shown as a note), and a deliberate race is reported.
 #       Then the threaded tests (the fused kernel's FlashForward*, the fused backward's two-thread
-#       sweep and FlashBackward* cases, every Sdpa* test, Stress.*, NumericsPolicy.*) and a short
-#       soak run with TSAN_OPTIONS=halt_on_error=1.
+#       sweep and FlashBackward* cases, every Sdpa* test, the variants' two-thread sweep
+#       (Sweep/Variants.SameBitsForOneAndTwoThreads/*), flex_attention's thread-count test,
+#       Stress.*, NumericsPolicy.*) and a short soak run with TSAN_OPTIONS=halt_on_error=1.
 #
 # Every test's output is kept (<build>/ctest-output.txt, ctest -V) and searched for sanitizer
 # reports, so a report in a test that is expected to fail, or in a child process, still counts.
@@ -158,8 +159,8 @@ stage_tsan() {
 
   export TSAN_OPTIONS="$tsan_base"
   export OMP_TOOL_LIBRARIES="$archer"
-  log "TSan: threaded tests (FlashForward*, FlashBackward two-thread sweep, Sdpa*, the 16-bit kernels' two-thread sweep, the decode kernels' thread-count sweep, Stress.*, NumericsPolicy.*)"
-  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|Decode\.SameBits|^Stress\.|^NumericsPolicy\.'
+  log "TSan: threaded tests (FlashForward*, FlashBackward two-thread sweep, Sdpa*, the 16-bit kernels' two-thread sweep, the decode kernels' thread-count sweep, the variants' two-thread sweep, flex_attention's thread counts, Stress.*, NumericsPolicy.*)"
+  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|Decode\.SameBits|/Variants\.SameBitsForOneAndTwoThreads/|^FlexAttention\.SameBitsForOneTwoAndThreeThreads$|^Stress\.|^NumericsPolicy\.'
   tsan_ran=$ran
   [ "$failed_tests" -ne 0 ] && fail "$failed_tests of $ran tests failed under TSan"
   tsan_soak="skipped"

@@ -136,16 +136,20 @@ struct SdpaOptions {
   // (is_causal, window_size, attn_mask: hidden keys get -inf and are never added).
   WindowSize window_size;             // sliding window; {-1, -1} = none
   // Logit softcapping (Gemma 2, Grok): > 0, applied to the scaled score before ALiBi and the
-  // masks; the backward goes through tanh. Unset = none; 0 or negative: ValueError.
+  // masks; the backward goes through tanh. Unset = none; 0 or negative: ValueError, as is a
+  // value outside float32's normal range [FLT_MIN, FLT_MAX / log2(e)] (~[1.18e-38, 2.36e38]),
+  // where the kernels' float32 1/softcap or softcap * log2(e) would be infinite.
   std::optional<double> softcap;
   // ALiBi (BLOOM, MPT): float32 slopes of shape (H) or (B, H) (H = query heads; 1 for 2-D
   // inputs; (B, H) needs 4-D inputs); x -= slope * |i' - j|. Constants: no gradient.
+  // Finite, |slope| <= FLT_MAX / log2(e) (as scale), else ValueError.
   std::optional<TensorView> alibi_slopes;
   // Learnable attention sinks (gpt-oss): float32 logits of shape (H). Each row's softmax gets one
   // more logit s_h, with no value, in the units of the final scores x (never capped, biased,
   // masked or dropped):  p_ij = exp(x_ij) / (exp(s_h) + sum_k exp(x_ik)). The LSE includes it,
   // so a row whose every key is masked has output 0 and LSE s_h. The backward returns
-  // d(sinks) = -sum_i p_i,sink * (dO_i . O_i) (summed over batch).
+  // d(sinks) = -sum_i p_i,sink * (dO_i . O_i) (summed over batch). Finite, |s_h| <=
+  // FLT_MAX / log2(e) (as scale), else ValueError.
   std::optional<TensorView> sinks;
 };
 

@@ -64,7 +64,9 @@ def _ml_bfloat16():
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *, kernel=None):
+                                 is_causal=False, scale=None, enable_gqa=False, *, kernel=None,
+                                 window_size=(-1, -1), softcap=None, alibi_slopes=None,
+                                 sinks=None):
     """torch.nn.functional.scaled_dot_product_attention.
 
     query (..., L, E), key (..., S, E), value (..., S, Ev) -> (..., L, Ev), with leading dims
@@ -89,6 +91,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     that kernel, ValueError if it is unknown or cannot take the call (this CPU lacks a feature,
     the dtype is not one it computes, dropout needs the reference); None picks the best one.
 
+    Variants (FlashAttention's semantics; they combine with each other and with the above, and
+    the scores go through them in this order: scale, softcap, ALiBi, then the masks):
+
+    - window_size=(left, right): query i sees key j iff i - left <= j <= i + right (-1 =
+      unbounded on that side; with is_causal the right side is also clipped at the diagonal).
+      Hugging Face's ``sliding_window = w`` is ``window_size=(w - 1, 0)`` with is_causal=True.
+      Values below -1: ValueError.
+    - softcap: logit softcapping (Gemma 2), x = softcap * tanh(x / softcap) on the scaled
+      scores; a float > 0 (ValueError otherwise), None for none.
+    - alibi_slopes: ALiBi, a float32 array of shape (H) or (B, H) (H = query heads; (H) is (1)
+      for 2-D inputs; (B, H) needs 4-D ones); x -= slope * |i - j|. float64 arrays are rounded
+      to float32.
+    - sinks: learnable attention sinks (gpt-oss), float32 logits of shape (H): each row's
+      softmax gets one more logit s_h with no value, so the weights sum to less than 1, and a
+      row whose every key is masked gives 0.
+
     A row whose every key is masked gives 0, not NaN. Raises TypeError for integer, bool or other
     dtypes, mixed dtypes and GPU tensors, ValueError for bad shapes or values.
     """
@@ -102,7 +120,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _ml_bfloat16()  # the result will be bfloat16: fail before computing if it cannot be returned
     out = _scaled_dot_product_attention(*args, dropout_p=dropout_p, is_causal=is_causal,
                                         scale=scale, enable_gqa=enable_gqa, kernel=kernel,
-                                        bf16_bits=bits)
+                                        bf16_bits=bits, window_size=window_size,
+                                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if out.dtype == _np.uint16:  # bfloat16 bits
         out = out.view(_ml_bfloat16())
     return out

@@ -24,10 +24,39 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     kernel: Optional[str] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
 ) -> npt.NDArray[Any]:
     """torch.nn.functional.scaled_dot_product_attention; the result has the inputs' dtype:
     float32, float64 (computed in float64), float16, or bfloat16 (an ml_dtypes.bfloat16 array).
-    kernel: a name from sdpa_kernels() to force one kernel (ValueError if unknown or unable)."""
+    kernel: a name from sdpa_kernels() to force one kernel (ValueError if unknown or unable).
+
+    Variants (FlashAttention's semantics, C++ attn::SdpaOptions); they combine with each other
+    and with the arguments above. Per key the scaled score x = scale * q.k goes through softcap,
+    then ALiBi, then the masks (is_causal, window_size, attn_mask):
+
+    window_size: (left, right), a sliding window: query i sees key j iff
+        i - left <= j <= i + right, -1 = unbounded on that side; with is_causal the right side
+        is also clipped at the diagonal. Hugging Face's ``sliding_window = w`` (Mistral, Gemma:
+        each token sees itself and the w - 1 before it) is ``window_size=(w - 1, 0)`` with
+        ``is_causal=True``. A value below -1 raises ValueError naming window_size; anything but
+        a pair of ints TypeError.
+    softcap: logit softcapping (Gemma 2, Grok): x = softcap * tanh(x / softcap), applied to the
+        scaled score before ALiBi and the masks. Must be finite and > 0 (else ValueError naming
+        softcap); None = none.
+    alibi_slopes: ALiBi (BLOOM, MPT): slopes of shape (H) or (B, H) (H = query heads, 1 for 2-D
+        inputs; (B, H) needs 4-D inputs); x -= slope * |i - j|. float32 (float64 is rounded to
+        float32); another dtype raises TypeError, another shape or a non-finite slope
+        ValueError, each naming alibi_slopes.
+    sinks: learnable attention sinks (gpt-oss): logits of shape (H), float32 (float64 rounded).
+        Each row's softmax gets one more logit s_h with no value, in the units of the final
+        scores (never capped, biased or masked):
+        p_ij = exp(x_ij) / (exp(s_h) + sum_k exp(x_ik)), so a row's weights sum to less than 1
+        and a row whose every key is masked gives 0 (its log-sum-exp is s_h). Bad dtype
+        TypeError, bad shape or non-finite values ValueError, each naming sinks.
+    """
     ...
 
 class SdpaKernel(TypedDict):

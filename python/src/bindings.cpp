@@ -45,13 +45,41 @@ std::optional<Input> optional_input(const nb::handle& obj, const char* arg) {
 
 // ---- scaled_dot_product_attention -----------------------------------------------------------
 
+// window_size: a pair (left, right) of Python ints; the values are checked by the library
+// (below -1: ValueError).
+WindowSize window_arg(nb::handle obj) {
+  const auto bad = [&] {
+    return nb::type_error(("window_size: expected a pair of ints (left, right), -1 = unbounded, got " +
+                           nb::cast<std::string>(nb::repr(obj))).c_str());
+  };
+  if (!nb::isinstance<nb::tuple>(obj) && !nb::isinstance<nb::list>(obj)) throw bad();
+  if (nb::len(obj) != 2) throw bad();
+  WindowSize w;
+  if (!nb::try_cast(obj[0], w.left) || !nb::try_cast(obj[1], w.right)) throw bad();
+  return w;
+}
+
+// alibi_slopes / sinks: float32 arrays (float64 ones are rounded to float32, the dtype the
+// library takes them in); bool and other dtypes raise TypeError naming the argument.
+std::optional<Input> head_param_arg(nb::handle obj, const char* arg) {
+  if (obj.is_none()) return std::nullopt;
+  Input in = float_input(obj, arg);
+  if (in.kind == Kind::kBool) {
+    throw nb::type_error((std::string(arg) + ": expected a float32 or float64 array, got bool").c_str());
+  }
+  return in;
+}
+
 // The binding behind attn.scaled_dot_product_attention (attn/__init__.py), in the inputs' dtype.
 // `bf16_bits`: which arguments are bfloat16 bits in a uint16 array (bit 0 query, 1 key, 2 value,
 // 3 attn_mask), as __init__.py passes ml_dtypes.bfloat16 arrays. A bfloat16 result comes back as
 // its uint16 bits (NumPy has no bfloat16) for __init__.py to view as ml_dtypes.bfloat16.
+// The variants (window_size, softcap, alibi_slopes, sinks) are SdpaOptions' last block; they
+// reach every route below, the float64 reference included.
 nb::object sdpa(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask,
                 double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
-                std::optional<std::string> kernel, int bf16_bits) {
+                std::optional<std::string> kernel, int bf16_bits, nb::handle window_size,
+                std::optional<double> softcap, nb::handle alibi_slopes, nb::handle sinks) {
   const Input q = sdpa_input(query, "query", bf16_bits & 1), k = sdpa_input(key, "key", bf16_bits & 2),
               v = sdpa_input(value, "value", bf16_bits & 4);
   for (const Input* in : {&q, &k, &v}) {
@@ -72,6 +100,12 @@ nb::object sdpa(nb::handle query, nb::handle key, nb::handle value, nb::handle a
   opt.scale = scale;
   opt.enable_gqa = enable_gqa;
   opt.kernel = kernel.value_or("");
+  opt.window_size = window_arg(window_size);
+  opt.softcap = softcap;
+  const std::optional<Input> slopes = head_param_arg(alibi_slopes, "alibi_slopes");
+  const std::optional<Input> sink_logits = head_param_arg(sinks, "sinks");
+  if (slopes) opt.alibi_slopes = slopes->view;
+  if (sink_logits) opt.sinks = sink_logits->view;
   const bool draws = opt.dropout_p > 0.0f;
   const bool f64 = q.kind == Kind::kFloat64 && k.kind == Kind::kFloat64 && v.kind == Kind::kFloat64;
   if (f64 && draws && (opt.kernel.empty() || opt.kernel == "reference")) {
@@ -256,6 +290,8 @@ NB_MODULE(_attn, m) {
   m.def("_scaled_dot_product_attention", &sdpa, "query"_a, "key"_a, "value"_a,
         "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0, "is_causal"_a = false,
         "scale"_a = nb::none(), "enable_gqa"_a = false, "kernel"_a = nb::none(), "bf16_bits"_a = 0,
+        "window_size"_a = nb::make_tuple(-1, -1), "softcap"_a = nb::none(),
+        "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(),
         R"(The binding behind attn.scaled_dot_product_attention (see its docstring). bf16_bits
 marks arguments holding bfloat16 bits as uint16 (bit 0 query, 1 key, 2 value, 3 attn_mask); a
 bfloat16 result is returned as its uint16 bits.)");

@@ -26,8 +26,11 @@ bool broadcasts_to(const Shape& from, const Shape& to) {
 void check_variants(const SdpaOptions& o, SdpaProblem& p) {
   const char* who = "scaled_dot_product_attention";
   check_window_size(o.window_size, who, "window_size");
-  p.window_left = o.window_size.left;
-  p.window_right = o.window_size.right;
+  // A side of L + S or more hides nothing more than L + S does (|i' - j| < L + S): clamp it, so
+  // that i' - left and i' + right cannot overflow (INT64_MAX is a valid "the whole sequence").
+  const int64_t reach = p.L + p.S;
+  p.window_left = std::min(o.window_size.left, reach);
+  p.window_right = std::min(o.window_size.right, reach);
   p.diag_offset = o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
   p.softcap = check_softcap(o.softcap, who, "softcap");
   if (o.alibi_slopes) {
@@ -50,11 +53,19 @@ void check_window_size(const WindowSize& w, const char* who, const char* name) {
   }
 }
 
+// The fused kernels keep scores in base 2 in float32: a slope, a sink or a softcap enters them
+// as float(value * log2(e)), which must stay finite (scale has the same bound).
+constexpr double kMaxBase2 = std::numeric_limits<float>::max() / std::numbers::log2e;
+
 double check_softcap(const std::optional<double>& c, const char* who, const char* name) {
   if (!c) return 0.0;
-  if (!(*c > 0.0) || !std::isfinite(*c)) {
-    throw ValueError(fmt::format("{}: {} must be a finite value > 0 (unset for none), got {}", who,
-                                 name, *c));
+  // Below float32's smallest normal the kernels' 1 / softcap would be infinite (or softcap
+  // itself 0); above kMaxBase2 softcap * log2(e) would be.
+  constexpr double kMinSoftcap = std::numeric_limits<float>::min();
+  if (!(*c >= kMinSoftcap && *c <= kMaxBase2)) {
+    throw ValueError(fmt::format("{}: {} must be a finite value > 0, in [{:.4g}, {:.4g}] (float32's "
+                                 "normal range; unset for none), got {}", who, name, kMinSoftcap,
+                                 kMaxBase2, *c));
   }
   return *c;
 }
@@ -74,8 +85,9 @@ void check_head_param(const TensorView& t, const char* who, const char* name,
     throw ShapeError(fmt::format("{}: {} must have shape {}, got {}", who, name, want, t.shape().str()));
   }
   for_each_offset(t, [&](int64_t off) {
-    if (!std::isfinite(t.data()[off])) {
-      throw ValueError(fmt::format("{}: {} must be finite, got {}", who, name, t.data()[off]));
+    if (!std::isfinite(t.data()[off]) || std::fabs(static_cast<double>(t.data()[off])) > kMaxBase2) {
+      throw ValueError(fmt::format("{}: {} must be finite, at most {:.4g} in magnitude (float32 range "
+                                   "of value * log2(e)), got {}", who, name, kMaxBase2, t.data()[off]));
     }
   });
 }

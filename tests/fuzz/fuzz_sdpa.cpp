@@ -8,10 +8,14 @@
 // need_lse, 1 or 2 threads, the fused kernel's instruction set, a layout per input
 // (contiguous, transposed, sliced, expanded, selected; view padding is filled with NaN so a
 // read outside the view shows), values from a seeded generator at a per-tensor magnitude, and
-// "pokes" that plant NaN, Inf, huge and tiny values at chosen elements. About one input in 8
-// is made invalid on purpose (mismatched dims, empty, bad rank, bad dropout, mask that does not
-// broadcast, mask with is_causal, non-finite scale or one beyond float32's range, undefined
-// tensor).
+// "pokes" that plant NaN, Inf, huge and tiny values at chosen elements, and the variants
+// (SdpaOptions' last block): a sliding window (each side -1, 0, small, beyond L and S, up to
+// INT64_MAX), softcap (1e-30 .. 2e38), ALiBi slopes (H) or (B, H) (zero, tiny, huge, signed,
+// strided) and sinks (zero to 6e37 in magnitude). About one input in 8 is made invalid on purpose
+// (mismatched dims, empty, bad rank, bad dropout, mask that does not broadcast, mask with
+// is_causal, non-finite scale or one beyond float32's range, undefined tensor, a window side
+// below -1, softcap <= 0, non-finite or beyond float32's range, slopes or sinks of the wrong
+// shape or dtype, non-finite, too large or undefined).
 //
 // Properties (a violation aborts, so libFuzzer keeps the input):
 //  * Invalid arguments throw an attn::Error subclass from every backend and from the float64
@@ -22,8 +26,8 @@
 //    every runnable kernel taking the dtype (see "16-bit inputs" at the end of run()).
 //  * Fused output, weights and lse are bit-identical for 1 and 2 threads; kAuto gives the
 //    fused result (the reference's with torch dropout).
-//  * A row whose every key is masked (causal, boolean 0, or additive -inf on finite scores)
-//    has output 0, weights 0 and lse -inf, in both backends.
+//  * A row whose every key is masked (causal, window, boolean 0, or additive -inf on finite
+//    scores) has output 0, weights 0 and lse -inf (with sinks: the row's sink), in both backends.
 //  * Unless the problem is in the overflow domain (below), per row:
 //      - NaN pattern: fused, reference and float64 truth have NaN at the same elements of the
 //        output, the weights and the lse;
@@ -33,7 +37,10 @@
 //          tol(lse)     = 1e-5 * (1 + |lse|) + 2 * delta
 //        where inv_keep = 1 / (1 - dropout_p) and delta bounds the float32 rounding error of
 //        the row's scores: delta = u * ((E + 6) * max_j sum_e |q_e k_e| * |scale|
-//        + 4 * max_j |additive mask| + 8), u = 2^-24. For well-scaled rows delta is ~1e-6 and
+//        + 4 * max_j |additive mask| + 8 + variants), u = 2^-24, where the variants add
+//        4 |slope| (L + S) (ALiBi's bias), 4 |sink| (its base-2 rounding) and, with softcap c,
+//        amax + 8 min(c, amax) (division, tanh and product), plus c * 2^-149 outside u (for
+//        c near float32's top 1/c is subnormal). For well-scaled rows delta is ~1e-6 and
 //        the rule is FlashAttention's "2x the reference's error plus a floor"; for rows with
 //        huge scores (where float32 softmax itself is ill-conditioned) it widens accordingly.
 //        The truth is computed with a custom scale rounded to float32, the multiplier both
@@ -41,7 +48,8 @@
 //      - every finite weight lies in [0, inv_keep * (1 + 1e-6)].
 //    The overflow domain: some |q.k| (unscaled or scaled, in log2 units), |q| * scale, finite
 //    additive mask value or max|v| * inv_keep * S reaches 1e30, so that float32 intermediates
-//    may overflow in one backend and not the other; it also takes in a custom scale so tiny
+//    may overflow in one backend and not the other (the same for an ALiBi bias |slope| (L + S)
+//    or a sink reaching 1e30 in base-2 units); it also takes in a custom scale so tiny
 //    that the fused kernel's pre-scaled q (q * float(scale * log2 e)) underflows to 0 for a
 //    nonzero q while some key is non-finite (0 * Inf = NaN there, +-Inf in the reference).
 //    Only the structural properties are checked there.
@@ -112,10 +120,29 @@ const char* runnable_kernel(int pick) {
   return "";
 }
 
+// Variants. Window sides: 0 in the byte is -1 (unbounded), else one of these (beyond L and S
+// too, up to INT64_MAX, where i' + right must not overflow).
+const int64_t kWindows[12] = {0, 1, 2, 3, 5, 8, 17, 39, 41, 1000, int64_t{1} << 62,
+                              std::numeric_limits<int64_t>::max()};
+// Softcaps from tiny (every score ~0) to near float32's top (1/c subnormal in the fused kernel).
+const double kSoftcaps[16] = {1.0, 2.0, 5.0, 20.0, 30.0, 50.0, 0.1,  1e-3,
+                              1e-6, 1e-20, 1e-30, 1e3, 1e6, 1e20, 1e30, 2e38};
+// ALiBi slope magnitudes (0: BLOOM's geometric 2^(-8 h / H)) and sink magnitudes (values are
+// normal(0, 1) * magnitude, |normal| <= 3.5: at most 2.1e38, inside the accepted range).
+const float kSlopeMags[8] = {0.0f, -1.0f, 0.01f, 0.1f, 1.0f, 10.0f, 1e3f, 1e30f};  // -1: all 0
+const float kSinkMags[8] = {1.0f, 0.0f, 10.0f, 100.0f, 1e4f, 1e30f, 6e37f, 1e-3f};
+const int64_t kBadWindows[4] = {-2, -3, -1000, std::numeric_limits<int64_t>::min()};
+// <= 0, non-finite, or outside float32's normal range [FLT_MIN, FLT_MAX / log2(e)].
+const double kBadSoftcaps[12] = {0.0, -0.0, -1.0, NAN, std::numeric_limits<double>::infinity(),
+                                 -std::numeric_limits<double>::infinity(), 1e-39, 1e-300, 2.4e38,
+                                 1e300, 5e-324, -1e-30};
+// Non-finite slopes / sinks, or finite ones whose base-2 form overflows float32.
+const float kBadHeadValues[4] = {NAN, kInf, -kInf, 3e38f};
+
 enum Invalid {
   kEmbedMismatch, kValueLengthMismatch, kRankMismatch, kLeadMismatch, kGqaNotDivisible,
   kKvHeadsDiffer, kEmpty, kBadRank, kBadDropout, kMaskNoBroadcast, kMaskWithCausal,
-  kBadScale, kUndefined, kNumInvalid
+  kBadScale, kUndefined, kBadWindow, kBadSoftcap, kBadSlopes, kBadSinks, kNumInvalid
 };
 
 // ---- problem ------------------------------------------------------------------------------------
@@ -143,6 +170,15 @@ struct Problem {
   int layout[3] = {0, 0, 0};
   uint64_t value_seed = 0;
   float mag[4] = {1, 1, 1, 1};
+  // Variants (0 bytes: none).
+  WindowSize window;
+  std::optional<double> softcap;
+  int alibi = 0;           // 0 none, 1 slopes (H), 2 slopes (B, H) (4-D inputs; else (H))
+  float alibi_mag = 0;     // kSlopeMags
+  bool alibi_signed = false;
+  int alibi_layout = 0;    // of (B, H) slopes, as make_operand's
+  bool sinks = false;
+  float sink_mag = 0;
 };
 
 // Byte layout (every read past the end gives 0):
@@ -152,6 +188,10 @@ struct Problem {
 //   14 mask rank   15 mask full/broadcast bits   16 mask layout   17 mask density
 //   18 scale   19 dropout   20 torch rng   21-28 dropout seed   29-32 dropout offset
 //   33 kernel   34-36 layouts of q, k, v   37-44 value seed   45-48 magnitudes of q, k, v, mask
+//   49 window left, 50 window right (0: -1, else kWindows[(x - 1) % 12])
+//   51 softcap (0: none, else kSoftcaps[(x - 1) % 16])
+//   52 ALiBi (0: none; bit 0 (B, H) slopes, bits 1-3 magnitude, bit 4 random signs, bits 5-7
+//      layout)   53 sinks (0: none, else kSinkMags[(x - 1) % 8])
 //   then pokes of 4 bytes: tensor (q, k, v, mask), element index (u16), special value.
 Problem decode(ByteReader& in) {
   Problem p;
@@ -196,6 +236,20 @@ Problem decode(ByteReader& in) {
   for (int& l : p.layout) l = in.pick(7);
   p.value_seed = in.u64();
   for (float& m : p.mag) m = kMagnitudes[in.u8() % 8];
+  const uint8_t wl = in.u8(), wr = in.u8();
+  p.window.left = wl == 0 ? -1 : kWindows[(wl - 1) % 12];
+  p.window.right = wr == 0 ? -1 : kWindows[(wr - 1) % 12];
+  if (const uint8_t c = in.u8(); c != 0) p.softcap = kSoftcaps[(c - 1) % 16];
+  if (const uint8_t a = in.u8(); a != 0) {
+    p.alibi = 1 + (a & 1);
+    p.alibi_mag = kSlopeMags[(a >> 1) % 8];
+    p.alibi_signed = (a >> 4) & 1;
+    p.alibi_layout = (a >> 5) % 7;
+  }
+  if (const uint8_t k = in.u8(); k != 0) {
+    p.sinks = true;
+    p.sink_mag = kSinkMags[(k - 1) % 8];
+  }
   return p;
 }
 
@@ -273,15 +327,18 @@ double err(double x, double t) {
 }
 
 std::string describe(const Problem& p) {
-  char buf[512];
+  char buf[768];
   std::snprintf(buf, sizeof buf,
                 "rank %d B %lld Hq %lld Hkv %lld L %lld S %lld E %lld Ev %lld gqa %d mask_mode %d br %d "
                 "mask_rank %d scale %s%g dropout %g torch %d weights %d lse %d threads %d kernel '%s' "
-                "layouts %d %d %d",
+                "layouts %d %d %d window (%lld, %lld) softcap %g alibi %d (mag %g signed %d layout %d) "
+                "sinks %d (mag %g)",
                 p.rank, (long long)p.B, (long long)p.Hq, (long long)p.Hkv, (long long)p.L, (long long)p.S,
                 (long long)p.E, (long long)p.Ev, p.enable_gqa, p.mask_mode, p.bottom_right, p.mask_rank,
                 p.scale ? "" : "default ", p.scale ? *p.scale : 0.0, p.dropout_p, p.torch_rng,
-                p.need_weights, p.need_lse, p.threads, runnable_kernel(p.kernel), p.layout[0], p.layout[1], p.layout[2]);
+                p.need_weights, p.need_lse, p.threads, runnable_kernel(p.kernel), p.layout[0], p.layout[1], p.layout[2],
+                (long long)p.window.left, (long long)p.window.right, p.softcap ? *p.softcap : 0.0, p.alibi,
+                p.alibi_mag, p.alibi_signed, p.alibi_layout, p.sinks, p.sink_mag);
   return buf;
 }
 
@@ -308,6 +365,9 @@ void run(ByteReader& in) {
   int mask_bad_dim = 0;  // 1: last dim S + 1, 2: dim -2 L + 1
   std::optional<double> scale = p.scale;
   float dropout_p = p.dropout_p;
+  WindowSize window = p.window;
+  std::optional<double> softcap = p.softcap;
+  int bad_slopes = -1, bad_sinks = -1;  // how the slopes / sinks are made invalid (head_param)
   if (p.invalid) {
     const int a = p.invalid_arg;
     switch (p.invalid_kind) {
@@ -374,6 +434,16 @@ void run(ByteReader& in) {
         mask_with_causal = true;
         break;
       case kBadScale: scale = kBadScales[a % 6]; break;
+      case kBadWindow: ((a & 1) ? window.left : window.right) = kBadWindows[(a >> 1) % 4]; break;
+      case kBadSoftcap: softcap = kBadSoftcaps[a % 12]; break;
+      case kBadSlopes:
+        bad_slopes = a % 7;
+        if (p.alibi == 0) p.alibi = 1;
+        break;
+      case kBadSinks:
+        bad_sinks = a % 7;
+        p.sinks = true;
+        break;
       default:  // kUndefined
         if (a % 4 == 3) {
           if (p.mask_mode < 2) p.mask_mode = 2 + (a & 1);
@@ -433,6 +503,41 @@ void run(ByteReader& in) {
     });
   }
 
+  // ALiBi slopes and sinks: per query head (slopes (B, H) per batch too), or made invalid by
+  // `bad`: 0 one head too many, 1 (B, H) where it is not allowed (sinks; slopes of 2-D and 3-D
+  // inputs) or B + 1 rows, 2 (1, H, 1), 3 float64, 4 bfloat16, 5 a non-finite or too large
+  // value, 6 undefined.
+  auto head_param = [&](bool per_batch, int bad, bool is_sinks, int layout, auto&& value) -> TensorView {
+    Shape shape = per_batch ? Shape{p.B, p.Hq} : Shape{p.Hq};
+    if (bad == 0) shape[shape.ndim() - 1] += 1;
+    if (bad == 1) shape = is_sinks ? Shape{p.B, p.Hq} : q_rank == 4 ? Shape{p.B + 1, p.Hq} : Shape{1, p.Hq};
+    if (bad == 2) shape = Shape{1, p.Hq, 1};
+    Operand op = make_operand(shape, shape.ndim() == 2 ? layout : 0, owned, value);
+    TensorView t = op.view;
+    if (bad == 3 || bad == 4) {
+      owned.push_back(t.to(bad == 3 ? DType::kFloat64 : DType::kBFloat16));
+      t = owned.back();
+    }
+    if (bad == 5) t.data()[op.offsets[p.invalid_arg % op.offsets.size()]] = kBadHeadValues[(p.invalid_arg >> 3) % 4];
+    if (bad == 6) t = TensorView();
+    return t;
+  };
+  TensorView slopes, sinks;
+  if (p.alibi != 0) {
+    slopes = head_param(p.alibi == 2 && q_rank == 4, bad_slopes, false, p.alibi_layout, [&](size_t k) {
+      if (p.alibi_mag == 0.0f) {  // BLOOM's geometric slopes
+        const float h = static_cast<float>(static_cast<int64_t>(k) % p.Hq + 1);
+        return std::exp2(-8.0f * h / static_cast<float>(p.Hq));
+      }
+      if (p.alibi_mag < 0.0f) return 0.0f;
+      const float x = p.alibi_mag * (0.25f + rng.uniform());
+      return p.alibi_signed && rng.uniform() < 0.5f ? -x : x;
+    });
+  }
+  if (p.sinks) {
+    sinks = head_param(false, bad_sinks, true, 0, [&](size_t) { return rng.normal() * p.sink_mag; });
+  }
+
   // Pokes: special values at chosen logical elements.
   while (in.remaining() >= 4) {
     const int t = in.pick(4);
@@ -457,6 +562,10 @@ void run(ByteReader& in) {
   o.dropout_seed = p.dropout_seed;
   o.dropout_offset = p.dropout_offset;
   o.num_threads = p.threads;
+  o.window_size = window;
+  o.softcap = softcap;
+  if (p.alibi != 0) o.alibi_slopes = slopes;
+  if (p.sinks) o.sinks = sinks;
 
   const TensorView qv = undefined_operand == 0 ? TensorView() : q.view;
   const TensorView kv = undefined_operand == 1 ? TensorView() : k.view;
@@ -574,6 +683,27 @@ void run(ByteReader& in) {
   const double inv_keep = (o.dropout_p > 0.0f && o.dropout_p < 1.0f) ? 1.0 / (1.0 - o.dropout_p) : 1.0;
   const bool philox = o.dropout_p > 0.0f && !torch_dropout;
   const int64_t causal_off = o.is_causal && p.bottom_right ? S - L : 0;
+  // Variants: query i sits at i' = i + diag among the keys (window, ALiBi); each batch-head's
+  // slope and sink (-inf: none), as the options hold them (float32).
+  const int64_t diag = p.bottom_right ? S - L : 0;
+  const WindowSize win = o.window_size;
+  const double cap = o.softcap.value_or(0.0);
+  std::vector<float> slope_of(static_cast<size_t>(batch), 0.0f), sink_of(static_cast<size_t>(batch), -kInf);
+  double bias_max = 0, sink_max = 0;
+  if (o.alibi_slopes) {
+    const std::vector<float> sv = o.alibi_slopes->to_vector();
+    for (int64_t b = 0; b < batch; ++b) {
+      slope_of[b] = sv[static_cast<size_t>(sv.size() == static_cast<size_t>(p.Hq) ? b % p.Hq : b)];
+      bias_max = std::max(bias_max, std::fabs(static_cast<double>(slope_of[b])) * static_cast<double>(L + S));
+    }
+  }
+  if (o.sinks) {
+    const std::vector<float> kv = o.sinks->to_vector();
+    for (int64_t b = 0; b < batch; ++b) {
+      sink_of[b] = kv[static_cast<size_t>(b % p.Hq)];
+      sink_max = std::max(sink_max, std::fabs(static_cast<double>(sink_of[b])));
+    }
+  }
 
   // The overflow domain.
   double vmax = 0, qmax = 0, mmax = 0;
@@ -618,7 +748,8 @@ void run(ByteReader& in) {
   }
   const bool overflow = dotmax >= kOverflow || dotmax * scale_eff * log2e >= kOverflow ||
                         qmax * scale_eff * log2e >= kOverflow || mmax * log2e >= kOverflow ||
-                        vmax * inv_keep * static_cast<double>(S) >= kOverflow || prescale_underflow;
+                        vmax * inv_keep * static_cast<double>(S) >= kOverflow || prescale_underflow ||
+                        bias_max * log2e >= kOverflow || sink_max * log2e >= kOverflow;
 
   const std::vector<float> rout = ref.output.to_vector();
   const std::vector<float> fout = torch_dropout ? std::vector<float>() : fused.output.to_vector();
@@ -670,6 +801,12 @@ void run(ByteReader& in) {
         const bool k_finite = k_row_finite[static_cast<size_t>(kb * S + j)];
         bool masked = o.is_causal && j > i + causal_off;
         const float m = mx.empty() ? 0.0f : mx[row * S + j];
+        // The window hides a key with -inf before an additive mask is added (the documented
+        // order), so a NaN or +inf mask value there still makes the score NaN.
+        if (!(is_add && (std::isnan(m) || m == kInf))) {
+          if (win.left >= 0 && (i + diag) - j > win.left) masked = true;
+          if (win.right >= 0 && j - (i + diag) > win.right) masked = true;
+        }
         if (is_bool && m == 0.0f) masked = true;
         if (is_add && m == -kInf && q_finite && k_finite && !overflow) masked = true;
         if (masked) continue;
@@ -681,7 +818,10 @@ void run(ByteReader& in) {
         amax = std::max(amax, absdot[row * S + j] * scale_eff);
         if (is_add && std::isfinite(m)) madd = std::max(madd, std::fabs(static_cast<double>(m)));
       }
-      const double delta = kU * ((E + 6) * amax + 4 * madd + 8);
+      double variants = 4 * std::fabs(static_cast<double>(slope_of[b])) * static_cast<double>(L + S);
+      if (o.sinks) variants += 4 * std::fabs(static_cast<double>(sink_of[b]));
+      if (cap > 0) variants += amax + 8 * std::min(cap, amax);
+      const double delta = kU * ((E + 6) * amax + 4 * madd + 8 + variants) + cap * 0x1p-149;
       for (int64_t j = 0; j < S && !all_masked; ++j) {
         if (v_row_finite[static_cast<size_t>(kb * S + j)]) continue;
         if (philox && !philox_dropout_keep(o.dropout_seed, o.dropout_offset, b, i, j, o.dropout_p)) continue;
@@ -696,9 +836,19 @@ void run(ByteReader& in) {
           if (have_fused) CHECK_ROW(fout[row * Ev + e] == 0.0f, "fully masked row: fused output not 0");
           CHECK_ROW(truth.output[row * Ev + e] == 0.0, "fully masked row: truth output not 0");
         }
-        if (p.need_lse) {
-          CHECK_ROW(rl[row] == -kInf, "fully masked row: reference lse not -inf");
-          if (have_fused) CHECK_ROW(fl[row] == -kInf, "fully masked row: fused lse not -inf");
+        const float sink = sink_of[b];
+        if (sink == -kInf) {
+          if (p.need_lse) {
+            CHECK_ROW(rl[row] == -kInf, "fully masked row: reference lse not -inf");
+            if (have_fused) CHECK_ROW(fl[row] == -kInf, "fully masked row: fused lse not -inf");
+          }
+        } else {  // the sink is the row's only logit: lse = s_h (to a few ulps in base 2)
+          const double s = sink, tol = 1e-6 * std::fabs(s) + 1e-7;
+          CHECK_ROW(truth.lse[row] == s, "fully masked row with a sink: truth lse not the sink");
+          if (p.need_lse) {
+            CHECK_ROW(std::fabs(rl[row] - s) <= tol, "fully masked row with a sink: reference lse not the sink");
+            if (have_fused) CHECK_ROW(std::fabs(fl[row] - s) <= tol, "fully masked row with a sink: fused lse not the sink");
+          }
         }
         if (p.need_weights) {
           for (int64_t j = 0; j < S; ++j) {
@@ -796,9 +946,11 @@ void run(ByteReader& in) {
   // One valid input in four (by its value seed) takes this path: it costs two more float64
   // truths and a run per kernel, and the float32 checks above deserve most of the executions.
   if (torch_dropout || (p.value_seed & 3) != 0) return;
+  const bool variants_used = !win.unbounded() || o.softcap || o.alibi_slopes || o.sinks;
   for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     const Tensor q16 = q.view.to(dtype), k16 = k.view.to(dtype), v16 = v.view.to(dtype);
-    bool moderate = !overflow && !(o.scale && std::fabs(*o.scale) > 10.0) && mmax < 1e3;
+    bool moderate = !overflow && !(o.scale && std::fabs(*o.scale) > 10.0) && mmax < 1e3 &&
+                    bias_max <= 100 && sink_max <= 100;
     for (const Tensor* t : {&q16, &k16, &v16}) {
       for (float x : t->to_vector()) moderate = moderate && std::isfinite(x) && std::fabs(x) < 1e3f;
     }
@@ -832,6 +984,14 @@ void run(ByteReader& in) {
       SdpaOptions ko = lo;
       ko.kernel = name;
       if (name == "cpu.flash.avx512_bf16" && ko.need_weights) continue;  // refused by design
+      if (name == "cpu.flash.avx512_bf16" && variants_used) {  // refused by design, with the reason
+        try {
+          (void)sdpa_kernel_name(q16, k16, v16, ko);
+          attn::fuzz::fuzz_fail("'%s' accepted the variants it lacks\n  problem: %s", name.c_str(), desc.c_str());
+        } catch (const ValueError&) {
+        }
+        continue;
+      }
       if (name.starts_with("cpu.decode.")) {  // short inference problems only, by design
         bool refused = false;
         try {

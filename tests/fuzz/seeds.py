@@ -51,12 +51,16 @@ write("fuzz_tensor_views", "far_arguments", b(2, 2, 2, 4, 0, 240, 241, 3, 0, 245
 def sdpa(rank=4, B=2, Hkv=2, group=1, gqa=0, L=7, S=9, E=8, Ev=8, mask=0, flags=0, mask_rank=4,
          mask_full=0xFF, mask_layout=0, density=64, scale=0, dropout=0, torch=0, seed=1234,
          offset=7, isa=0, layouts=(0, 0, 0), value_seed=42, mags=(0, 0, 0, 0), pokes=(),
-         invalid=None, invalid_arg=0):
+         invalid=None, invalid_arg=0, window=(0, 0), softcap=0, alibi=0, sinks=0):
+    """The variants' bytes (0: off): window sides (x: kWindows[x - 1], 0: -1), softcap
+    (kSoftcaps[x - 1]), alibi (bit 0 (B, H), bits 1-3 magnitude, bit 4 signs, bits 5-7 layout),
+    sinks (kSinkMags[x - 1])."""
     out = bytes([7 if invalid is not None else 0, invalid or 0, invalid_arg, rank - 2, B - 1,
                  Hkv - 1, group - 1, gqa, L - 1, S - 1, E - 1, Ev - 1, mask, flags,
                  mask_rank - 1, mask_full, mask_layout, density, scale, dropout, torch])
     out += struct.pack("<QI", seed, offset) + bytes([isa]) + bytes(layouts)
     out += struct.pack("<Q", value_seed) + bytes(mags)
+    out += bytes([window[0], window[1], softcap, alibi, sinks])
     for t, idx, special in pokes:
         out += bytes([t]) + struct.pack("<H", idx) + bytes([special])
     return out
@@ -80,5 +84,28 @@ write("fuzz_sdpa", "torch_dropout", sdpa(dropout=176, torch=255, flags=W))  # p 
 write("fuzz_sdpa", "specials", sdpa(flags=W | LSE, mags=(4, 4, 3, 0),
                                      pokes=((0, 3, 0), (1, 17, 1), (2, 40, 2), (2, 5, 11), (1, 2, 5))))
 write("fuzz_sdpa", "huge_values", sdpa(mags=(5, 5, 7, 0), flags=W | LSE, E=2, L=4, S=6))
-for kind in range(13):
+# Variants. Windows: 1 -> 0, 2 -> 1, 3 -> 2, 5 -> 5, 8 -> 39, 9 -> 41, 10 -> 1000, 11 -> 2^62,
+# 12 -> INT64_MAX. Softcaps: 1 -> 1.0, 4 -> 20, 11 -> 1e-30, 16 -> 2e38. ALiBi magnitude index
+# (bits 1-3): 0 geometric, 1 zero, 4 -> 1.0, 7 -> 1e30. Sinks: 1 -> 1, 2 -> 0, 5 -> 1e4, 7 -> 6e37.
+write("fuzz_sdpa", "window_sliding_causal", sdpa(mask=1, L=33, S=33, window=(4, 1), flags=W | LSE | T2))
+write("fuzz_sdpa", "window_band_bottom_right", sdpa(L=12, S=30, window=(3, 2), flags=LSE | BR))
+write("fuzz_sdpa", "window_left_only_empty_rows", sdpa(L=20, S=6, window=(1, 1), flags=W | LSE))
+write("fuzz_sdpa", "window_huge", sdpa(mask=1, window=(12, 11), flags=LSE | BR, L=9, S=4))
+write("fuzz_sdpa", "window_beyond_lengths", sdpa(window=(9, 10), mask=2, density=100, flags=W | LSE))
+write("fuzz_sdpa", "softcap_20", sdpa(softcap=4, mags=(3, 3, 0, 0), flags=W | LSE, E=16))
+write("fuzz_sdpa", "softcap_tiny", sdpa(softcap=11, flags=W | LSE))
+write("fuzz_sdpa", "softcap_huge", sdpa(softcap=16, mask=3, density=40, flags=LSE))
+write("fuzz_sdpa", "alibi_geometric_h", sdpa(alibi=0x20, mask=1, flags=W | LSE))  # 0x20: layout bits only
+write("fuzz_sdpa", "alibi_bh_signed_strided", sdpa(alibi=1 | (4 << 1) | 0x10 | (1 << 5), flags=W | LSE | T2,
+                                                    B=2, Hkv=2, group=2, gqa=1))
+write("fuzz_sdpa", "alibi_huge", sdpa(alibi=1 | (7 << 1), flags=LSE))
+write("fuzz_sdpa", "sinks", sdpa(sinks=1, flags=W | LSE, L=17, S=23))
+write("fuzz_sdpa", "sinks_zero_masked_rows", sdpa(sinks=2, mask=2, density=230, flags=W | LSE))
+write("fuzz_sdpa", "sinks_large", sdpa(sinks=5, mask=1, L=12, S=5, flags=W | LSE))
+write("fuzz_sdpa", "sinks_huge_window_empty", sdpa(sinks=7, window=(1, 1), L=20, S=5, flags=LSE))
+write("fuzz_sdpa", "all_variants", sdpa(mask=1, window=(7, 1), softcap=3, alibi=1 | (3 << 1), sinks=1,
+                                        dropout=177, flags=W | LSE | T2, B=2, Hkv=2, group=2, L=25, S=25))
+write("fuzz_sdpa", "variants_16bit", sdpa(value_seed=40, window=(6, 0), softcap=4, alibi=2 << 1, sinks=1,
+                                          mask=1, flags=LSE))
+for kind in range(17):
     write("fuzz_sdpa", f"invalid_{kind:02d}", sdpa(invalid=kind, invalid_arg=(kind * 37 + 1) % 256, mask=2))

@@ -431,6 +431,33 @@ TEST(VariantEquivalence, HuggingFaceSlidingWindowIsLeftWMinusOneWithCausal) {
   for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 2e-6);
 }
 
+TEST(VariantEquivalence, WindowSidesBeyondTheSequencesAreUnboundedAndNeverOverflow) {
+  // i' - left and i' + right with sides up to INT64_MAX (found by fuzz_sdpa: signed overflow),
+  // with both alignments and L > S (i' < 0 for bottom-right).
+  manual_seed(6);
+  const Tensor q = randn({1, 2, 9, 8}), k = randn({1, 2, 4, 8}), v = randn({1, 2, 4, 8});
+  const int64_t huge[3] = {std::numeric_limits<int64_t>::max(), int64_t{1} << 62, 13};
+  for (const CausalAlignment align : {CausalAlignment::kTopLeft, CausalAlignment::kBottomRight}) {
+    for (const std::string kernel : {"reference", "cpu.flash.generic"}) {
+      SdpaOptions plain;
+      plain.is_causal = true;
+      plain.causal_alignment = align;
+      plain.kernel = kernel;
+      plain.need_lse = true;
+      const SdpaResult want = scaled_dot_product_attention(q, k, v, plain);
+      for (const int64_t left : huge) {
+        for (const int64_t right : huge) {
+          SdpaOptions o = plain;
+          o.window_size = {left, right};
+          const SdpaResult got = scaled_dot_product_attention(q, k, v, o);
+          EXPECT_EQ(got.output.to_vector(), want.output.to_vector()) << left << " " << right << " " << kernel;
+          EXPECT_EQ(got.lse.to_vector(), want.lse.to_vector()) << left << " " << right << " " << kernel;
+        }
+      }
+    }
+  }
+}
+
 TEST(VariantPolicy, AFullyMaskedRowWithASinkHasOutputZeroAndLseTheSink) {
   manual_seed(2);
   // Top-left window (0, 0) with S < L: rows i >= S see no key.
@@ -513,7 +540,8 @@ TEST(VariantBadInput, TypedErrorsNameTheArgumentAndTheValue) {
   o.window_size = {-2, 0};
   expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, o); }, "window_size");
   expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, o); }, "(-2, 0)");
-  for (double bad : {0.0, -1.0, static_cast<double>(INFINITY)}) {
+  // Beyond float32's normal range the kernels' 1/softcap or softcap * log2(e) is infinite.
+  for (double bad : {0.0, -1.0, static_cast<double>(INFINITY), 1e-300, 1e-39, 2.4e38, 1e300}) {
     SdpaOptions c;
     c.softcap = bad;
     expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, c); }, "softcap");
@@ -538,6 +566,21 @@ TEST(VariantBadInput, TypedErrorsNameTheArgumentAndTheValue) {
   nan_sinks.data()[1] = NAN;
   s.sinks = nan_sinks;
   expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, s); }, "finite");
+  // Finite float32 values whose base-2 form float(x * log2(e)) would overflow: refused too.
+  for (float big : {3e38f, -2.4e38f}) {
+    Tensor huge = Tensor::zeros({3});
+    huge.data()[2] = big;
+    SdpaOptions hs, ha;
+    hs.sinks = huge;
+    ha.alibi_slopes = huge;
+    expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, hs); }, "sinks");
+    expect_error_naming<ValueError>([&] { (void)scaled_dot_product_attention(q, k, v, ha); }, "alibi_slopes");
+  }
+  for (double edge : {1.2e-38, 2.3e38}) {  // inside the range: accepted
+    SdpaOptions c;
+    c.softcap = edge;
+    EXPECT_NO_THROW((void)scaled_dot_product_attention(q, k, v, c)) << edge;
+  }
   // (B, H) slopes need 4-D inputs; 3-D inputs take (H) only.
   const Tensor q3 = randn({3, 4, 8}), k3 = randn({3, 5, 8}), v3 = randn({3, 5, 8});
   SdpaOptions bh;

@@ -51,7 +51,10 @@ DecodeParams make_decode_params(int64_t E, int64_t Ev, DType kv_dtype, double sc
   dp.kv = kv_type_of(kv_dtype);
   dp.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
   dp.causal = causal;
-  dp.window_left = window.left, dp.window_right = window.right;
+  // A side beyond any position (2^40 tokens) hides nothing more: clamped, so that the band's
+  // offsets cannot overflow for INT64_MAX, a valid "unbounded".
+  constexpr int64_t kReach = int64_t{1} << 40;
+  dp.window_left = std::min(window.left, kReach), dp.window_right = std::min(window.right, kReach);
   // is_causal and the window's right side both bound j from above (the tighter wins per
   // sequence, set_decode_band), the window's left side from below.
   dp.band_hi = causal || window.right >= 0;
