@@ -133,7 +133,8 @@ struct SdpaOptions {
   // ---- variants (FlashAttention's semantics; all combine with each other and with the above) --
   // The scores go through these steps, in this order, before the softmax:
   //   x = scale * q.k;  x = softcap * tanh(x / softcap);  x -= slope_h * |i' - j|;  masks
-  // (is_causal, window_size, attn_mask: hidden keys get -inf and are never added).
+  // (attn_mask, then is_causal and window_size: hidden keys get -inf and are never added; a key
+  // outside the window or the diagonal stays hidden whatever an additive mask adds there).
   WindowSize window_size;             // sliding window; {-1, -1} = none
   // Logit softcapping (Gemma 2, Grok): > 0, applied to the scaled score before ALiBi and the
   // masks; the backward goes through tanh. Unset = none; 0 or negative: ValueError, as is a

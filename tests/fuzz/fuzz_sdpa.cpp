@@ -801,12 +801,10 @@ void run(ByteReader& in) {
         const bool k_finite = k_row_finite[static_cast<size_t>(kb * S + j)];
         bool masked = o.is_causal && j > i + causal_off;
         const float m = mx.empty() ? 0.0f : mx[row * S + j];
-        // The window hides a key with -inf before an additive mask is added (the documented
-        // order), so a NaN or +inf mask value there still makes the score NaN.
-        if (!(is_add && (std::isnan(m) || m == kInf))) {
-          if (win.left >= 0 && (i + diag) - j > win.left) masked = true;
-          if (win.right >= 0 && j - (i + diag) > win.right) masked = true;
-        }
+        // A key outside the window is hidden whatever an additive mask adds there (NaN, +inf):
+        // the band is applied last.
+        if (win.left >= 0 && (i + diag) - j > win.left) masked = true;
+        if (win.right >= 0 && j - (i + diag) > win.right) masked = true;
         if (is_bool && m == 0.0f) masked = true;
         if (is_add && m == -kInf && q_finite && k_finite && !overflow) masked = true;
         if (masked) continue;

@@ -379,7 +379,7 @@ TEST(PagedAttentionErrors, BadVariantsAreTypedAndNameTheArgumentExpectedAndActua
   expect_error<DTypeError>(with([&](PagedAttentionOptions& o) { o.sinks = f64; }), "float64");
   Tensor nan_sinks = Tensor::zeros({4});
   nan_sinks.data()[2] = NAN;
-  expect_error<ValueError>(with([&](PagedAttentionOptions& o) { o.sinks = nan_sinks; }), "options.sinks must be finite, got nan");
+  expect_error<ValueError>(with([&](PagedAttentionOptions& o) { o.sinks = nan_sinks; }), "options.sinks must be finite, at most 2.359e+38 in magnitude (float32 range of value * log2(e)), got nan");
   Tensor inf_slopes = Tensor::zeros({2, 4});
   inf_slopes.data()[5] = INFINITY;
   expect_error<ValueError>(with([&](PagedAttentionOptions& o) { o.alibi_slopes = inf_slopes; }), "options.alibi_slopes must be finite");

@@ -513,6 +513,22 @@ TEST(VariantPolicy, NonFiniteKeysOutsideTheWindowDoNotLeak) {
   }
 }
 
+TEST(VariantPolicy, AKeyOutsideTheWindowStaysHiddenWhateverAnAdditiveMaskAdds) {
+  manual_seed(6);
+  const Tensor q = randn({1, 1, 40, 8}), k = randn({1, 1, 40, 8}), v = randn({1, 1, 40, 8});
+  Tensor bias = Tensor::zeros({40, 40});
+  for (int64_t i = 0; i < 40; ++i) bias.at({i, 0}) = i > 5 ? NAN : 0.5f, bias.at({i, 39}) = i < 30 ? INFINITY : 0.0f;
+  SdpaOptions probe;
+  probe.window_size = {5, 5};
+  probe.attn_mask = AttnMask::additive(bias);
+  for (const std::string& kernel : every_kernel_for_f32(q, k, v, probe)) {
+    SdpaOptions o = probe;
+    o.kernel = kernel;
+    const SdpaResult r = scaled_dot_product_attention(q, k, v, o);
+    for (float x : r.output.to_vector()) ASSERT_TRUE(std::isfinite(x)) << kernel;
+  }
+}
+
 TEST(VariantDispatch, KernelsThatLackAVariantSayWhichAndTheNextTakesTheCall) {
   const Tensor q = randn({1, 2, 1, 64}), k = randn({1, 2, 300, 64}), v = randn({1, 2, 300, 64});
   Tensor sinks = Tensor::zeros({2});

@@ -500,14 +500,6 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       const int64_t i = it.query_pos[r];
       // One test per row and chunk, none per element, when no variant is used.
       if (modify) modify_row(p.softcap2, it.alibi2 != nullptr ? it.alibi2[r] : 0.0f, i + kv.diag_offset - c0, nkp, sr);
-      if (p.band_hi) {  // keys j > i + hi_offset
-        const int64_t limit = i + kv.hi_offset;
-        for (int64_t u = limit + 1 - c0 < 0 ? 0 : limit + 1 - c0; u < nk; ++u) sr[u] = kNegInf;
-      }
-      if (p.band_lo) {  // keys j < i + lo_offset
-        const int64_t limit = imin(i + kv.lo_offset - c0, nk);
-        for (int64_t u = 0; u < limit; ++u) sr[u] = kNegInf;
-      }
       if (it.mask[r] != nullptr) {
         const float* mr = it.mask[r] + c0 * p.mask_col;
         for (int64_t u = 0; u < nk; ++u) {
@@ -518,6 +510,15 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
             sr[u] += mv * kLog2e;  // additive masks are in natural-log units
           }
         }
+      }
+      // The band last: a key outside it is hidden whatever an additive mask adds.
+      if (p.band_hi) {  // keys j > i + hi_offset
+        const int64_t limit = i + kv.hi_offset;
+        for (int64_t u = limit + 1 - c0 < 0 ? 0 : limit + 1 - c0; u < nk; ++u) sr[u] = kNegInf;
+      }
+      if (p.band_lo) {  // keys j < i + lo_offset
+        const int64_t limit = imin(i + kv.lo_offset - c0, nk);
+        for (int64_t u = 0; u < limit; ++u) sr[u] = kNegInf;
       }
       for (int64_t u = nk; u < nkp; ++u) sr[u] = kNegInf;
 

@@ -197,6 +197,20 @@ inline void modify_block(const FlashParams& p, const FlashBlock& b, int64_t j0, 
 
 // Applies the band (is_causal, window) and explicit masks to S^T (assigning -inf), in place.
 inline void mask_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* st) {
+  if (b.mask != nullptr) {
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      for (int64_t q = 0; q < b.nq; ++q) {
+        const float m = b.mask[q * p.mask_row + (j0 + jj) * p.mask_col];
+        float& s = st[jj * kBQ + q];
+        if (p.mask_is_bool) {
+          if (m == 0.0f) s = kNegInf;
+        } else {
+          s += m * std::numbers::log2e_v<float>;  // additive masks are in natural-log units
+        }
+      }
+    }
+  }
+  // The band last: a key outside it is hidden whatever an additive mask adds (NaN, +inf).
   if (p.band_lo && j0 < b.i0 + kBQ - 1 + p.lo_offset) {
     // Key j is hidden from query i when j < i + lo_offset: lane q when q > j - lo_offset - i0.
     vf lane_i;
@@ -224,19 +238,6 @@ inline void mask_block(const FlashParams& p, const FlashBlock& b, int64_t j0, in
           const vf qidx = lane_i + static_cast<float>(h * W);
           const vf s = load(st + jj * kBQ + h * W);
           store(st + jj * kBQ + h * W, qidx < limit ? splat(kNegInf) : s);
-        }
-      }
-    }
-  }
-  if (b.mask != nullptr) {
-    for (int64_t jj = 0; jj < nk; ++jj) {
-      for (int64_t q = 0; q < b.nq; ++q) {
-        const float m = b.mask[q * p.mask_row + (j0 + jj) * p.mask_col];
-        float& s = st[jj * kBQ + q];
-        if (p.mask_is_bool) {
-          if (m == 0.0f) s = kNegInf;
-        } else {
-          s += m * std::numbers::log2e_v<float>;  // additive masks are in natural-log units
         }
       }
     }

@@ -44,7 +44,6 @@ T attention_row(T* row, const SdpaProblem& p, int64_t b, int64_t i, const float*
       cap_grad[j] = T(1);
     }
     if (slope != T(0)) s -= slope * static_cast<T>(pos > j ? pos - j : j - pos);
-    if (j < lo || j > hi) s = neg_inf;
     if (mask_row != nullptr) {
       const float m = mask_row[j * mask_stride];
       if (p.mask_is_bool) {
@@ -53,6 +52,8 @@ T attention_row(T* row, const SdpaProblem& p, int64_t b, int64_t i, const float*
         s += static_cast<T>(m);
       }
     }
+    // Last, so that a key outside the band is hidden whatever an additive mask adds (NaN, +inf).
+    if (j < lo || j > hi) s = neg_inf;
     row[j] = s;
     if (s > mx || std::isnan(s)) mx = s;  // a NaN max makes the whole row NaN (it propagates)
   }
