@@ -18,6 +18,7 @@
 // Shapes: an item's partial is R * (Evp + 2) floats (m, l, acc of R = group * L rows), all items'
 // partials live at once in `parts` (items * R * (Evp + 2) floats, small next to K and V: about
 // max(kTargetItems, pairs) ranges per call).
+#include "sdpa/cpu/flush_denormals.hpp"
 #include "sdpa/cpu/decode.hpp"
 
 #include <algorithm>
@@ -113,6 +114,7 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
 
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals ftz;  // flush_denormals.hpp
     std::vector<float> ws(static_cast<size_t>(kernel.workspace_floats(R, p.Ep, p.Evp)));
     std::vector<float> qrows(static_cast<size_t>(R * p.Ep), 0.0f);
     std::vector<int64_t> pos(static_cast<size_t>(R));
@@ -152,6 +154,7 @@ void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
   const int64_t o_size = dtype_size(c.o_dtype);
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals ftz;  // flush_denormals.hpp
     std::vector<float> row(static_cast<size_t>(p.Evp));
 #pragma omp for schedule(static)
     for (int64_t pair = 0; pair < pairs; ++pair) {

@@ -30,6 +30,7 @@
 #include "sdpa/cpu/flash_bwd_split.hpp"
 #include "sdpa/cpu/flash_inputs.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/cpu/flush_denormals.hpp"
 
 namespace attn::cpu {
 
@@ -92,6 +93,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
 
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals ftz;  // flush_denormals.hpp
     std::vector<float> ws(static_cast<size_t>(ws_floats));
     // Range-major: under causal masking the first ranges are the longest-running, so they start
     // first.

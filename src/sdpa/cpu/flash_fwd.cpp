@@ -18,6 +18,7 @@
 #include "sdpa/registry.hpp"
 #include "sdpa/cpu/flash_inputs.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/cpu/flush_denormals.hpp"
 
 namespace attn::cpu {
 
@@ -64,6 +65,7 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
 
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals ftz;  // flush_denormals.hpp
     std::vector<float> ws(static_cast<size_t>(ws_floats));
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < items.size(); ++t) kernel.forward(fp, block_of(items[t]), ws.data());
@@ -77,6 +79,7 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
     float* const weights = result.attn_weights.data();
 #pragma omp parallel num_threads(threads)
     {
+      const FlushDenormals ftz;
       std::vector<float> ws(static_cast<size_t>(ws_floats));
 #pragma omp for schedule(dynamic, 1)
       for (size_t t = 0; t < items.size(); ++t) {

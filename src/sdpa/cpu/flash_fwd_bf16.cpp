@@ -9,6 +9,7 @@
 
 #include <omp.h>
 
+#include "sdpa/cpu/flush_denormals.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/flash_inputs.hpp"
 #include "sdpa/registry.hpp"
@@ -55,6 +56,7 @@ SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, co
 
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals ftz;  // flush_denormals.hpp
     std::vector<float> ws(static_cast<size_t>((ws_bytes + 3) / 4));
 #pragma omp for schedule(dynamic, 1)
     for (size_t t = 0; t < items.size(); ++t) {

@@ -38,6 +38,10 @@
 
 #include "sdpa/cpu/flash_params.hpp"
 
+#if defined(__AVX512DQ__) || defined(__AVX__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 namespace attn::cpu::ATTN_SIMD_NS {
 
 constexpr int W = ATTN_SIMD_WIDTH;
@@ -109,11 +113,32 @@ inline vf tanh_big(vf y, vf a) {
   const vf big = (1.0f - e) / (1.0f + e);
   return y < 0.0f ? -big : big;
 }
+// How many lanes of a comparison's result (0 or -1 per lane) are true: one mask move where the
+// ISA has it (a lane-by-lane sum costs W extracts, more than the polynomial it would save).
+inline int count_true(vi m) {
+#if defined(__AVX512DQ__) && ATTN_SIMD_WIDTH == 16
+  __m512i x;
+  std::memcpy(&x, &m, sizeof x);
+  return __builtin_popcount(static_cast<unsigned>(_mm512_movepi32_mask(x)));
+#elif defined(__AVX__) && ATTN_SIMD_WIDTH == 8
+  __m256 x;
+  std::memcpy(&x, &m, sizeof x);
+  return __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(x)));
+#elif defined(__SSE2__) && ATTN_SIMD_WIDTH == 4
+  __m128 x;
+  std::memcpy(&x, &m, sizeof x);
+  return __builtin_popcount(static_cast<unsigned>(_mm_movemask_ps(x)));
+#else
+  int n = 0;
+  for (int l = 0; l < W; ++l) n -= m[l];
+  return n;
+#endif
+}
+
 inline vf tanhv(vf y) {
   const vf a = y < 0.0f ? -y : y;
   const vi small = a < 0.5f;
-  int n_small = 0;
-  for (int l = 0; l < W; ++l) n_small -= small[l];  // lanes are 0 or -1
+  const int n_small = count_true(small);
   if (n_small == W) return tanh_small(y);
   if (n_small == 0) return tanh_big(y, a);
   return small ? tanh_small(y) : tanh_big(y, a);
