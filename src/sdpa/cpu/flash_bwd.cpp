@@ -63,8 +63,8 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
                          const SdpaResult& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& p) {
   Tensor qs, ks, vs, ds, os, ls;
-  const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
-                   v = rows_contiguous(v_in, vs), dout = rows_contiguous(dout_in, ds),
+  const TensorView q = rows_adjacent(q_in, qs), k = rows_adjacent(k_in, ks),
+                   v = rows_adjacent(v_in, vs), dout = rows_adjacent(dout_in, ds),
                    out = rows_contiguous(forward.output, os);
   const TensorView lse = forward.lse.is_contiguous() ? TensorView(forward.lse) : (ls = forward.lse.contiguous());
 

@@ -30,8 +30,8 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
                          const TensorView& v_in, const SdpaOptions& options,
                          const detail::SdpaProblem& p) {
   Tensor qs, ks, vs;
-  const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
-                   v = rows_contiguous(v_in, vs);
+  const TensorView q = rows_contiguous(q_in, qs), k = rows_adjacent(k_in, ks),
+                   v = rows_adjacent(v_in, vs);
 
   const bool want_lse = options.need_lse || options.need_weights;  // the weights pass reads it
   SdpaResult result = make_forward_result(p, DType::kFloat32, want_lse);

@@ -22,6 +22,18 @@ inline TensorView rows_contiguous(const TensorView& t, Tensor& storage) {
   return storage;
 }
 
+// Keys and values for the prefill kernels, with each head's rows adjacent: a head of K/V whose rows
+// lie a token apart (a (B, S, H, E) tensor viewed as (B, H, S, E), as projections and varlen's
+// token-major layout give) spreads over H times as many pages, each row on its own, and the
+// kernel's passes over it miss the TLB and the page-bound hardware prefetch: measured 43 % slower
+// for causal attention at L = 4001, H = 12 (3 % without causal). One copy, O(S * E) per head,
+// is small beside the O(L * S * E) work that reads it again for every query block.
+inline TensorView rows_adjacent(const TensorView& t, Tensor& storage) {
+  if (t.stride(-1) == 1 && (t.stride(-2) == t.size(-1) || t.size(-2) == 1)) return t;
+  storage = t.contiguous();
+  return storage;
+}
+
 // False if t holds a NaN or Inf: the kernels then guard their products so that a zero weight
 // never multiplies it (docs/NUMERICS.md).
 inline bool all_finite(const TensorView& t) {
