@@ -35,7 +35,8 @@ def scaled_dot_product_attention(
 
     Variants (FlashAttention's semantics, C++ attn::SdpaOptions); they combine with each other
     and with the arguments above. Per key the scaled score x = scale * q.k goes through softcap,
-    then ALiBi, then the masks (is_causal, window_size, attn_mask):
+    then ALiBi, then the masks (attn_mask, then is_causal and window_size, so a key outside the
+    window stays hidden whatever an additive mask adds):
 
     window_size: (left, right), a sliding window: query i sees key j iff
         i - left <= j <= i + right, -1 = unbounded on that side; with is_causal the right side

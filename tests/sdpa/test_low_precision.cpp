@@ -28,22 +28,7 @@ using test::max_abs_err;
 
 constexpr DType kLowDtypes[] = {DType::kBFloat16, DType::kFloat16};
 
-// Kernels that take `dtype` and run here; prints the others once per dtype with the reason.
-std::vector<std::string> kernels_for(DType dtype) {
-  std::vector<std::string> out;
-  for (const SdpaKernelInfo& k : sdpa_kernels()) {
-    bool takes = false;
-    for (DType d : k.dtypes) takes = takes || d == dtype;
-    if (!takes) continue;
-    if (k.runs_on_this_cpu) {
-      out.push_back(k.name);
-    } else {
-      std::printf("[ SKIPPED  ] %s kernel %s on this CPU: %s\n", std::string(dtype_name(dtype)).c_str(),
-                  k.name.c_str(), k.reason_if_not.c_str());
-    }
-  }
-  return out;
-}
+std::vector<std::string> kernels_for(DType dtype) { return test::runnable_kernels_for(dtype); }
 
 // Inputs of the case rounded to `dtype` (kept also widened to float32, exactly).
 struct LowInputs {

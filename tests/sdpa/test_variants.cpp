@@ -127,6 +127,9 @@ TEST_P(Variants, ForwardAndBackwardWithinTwiceTheReferenceErrorOnEveryFusedKerne
   const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(in.q, in.k, in.v, ref);
   const double ref_err = max_abs_err(r.output, truth.output);
   ASSERT_TRUE(std::isfinite(ref_err)) << vdescribe(vc);
+  SdpaOptions ref_w = ref;
+  ref_w.need_weights = true;
+  const double ref_werr = max_abs_err(scaled_dot_product_attention(in.q, in.k, in.v, ref_w).attn_weights, truth.attn_weights);
   EXPECT_LE(max_abs_err(r.lse, truth.lse), 1e-5 * (std::log(static_cast<double>(c.S)) + 2.0)) << vdescribe(vc);
 
   const SdpaGrads rg = scaled_dot_product_attention_backward(vi.dout, in.q, in.k, in.v, r, ref);
@@ -149,6 +152,13 @@ TEST_P(Variants, ForwardAndBackwardWithinTwiceTheReferenceErrorOnEveryFusedKerne
         << vdescribe(vc) << " kernel " << kernel << " (reference error " << ref_err << ")";
     EXPECT_LE(max_abs_err(f.lse, truth.lse), 1e-5 * (std::log(static_cast<double>(c.S)) + 2.0))
         << vdescribe(vc) << " lse, kernel " << kernel;
+    SdpaOptions fused_w = fused;
+    fused_w.need_weights = true;  // the second pass applies the variants too
+    if (!test::decode_refuses(kernel, in.q, in.k, in.v, fused_w)) {
+      const SdpaResult fw = scaled_dot_product_attention(in.q, in.k, in.v, fused_w);
+      EXPECT_LE(max_abs_err(fw.attn_weights, truth.attn_weights), 2.0 * ref_werr + 1e-6)
+          << vdescribe(vc) << " weights, kernel " << kernel;
+    }
     const SdpaGrads g = scaled_dot_product_attention_backward(vi.dout, in.q, in.k, in.v, f, fused);
     const double err[4] = {max_abs_err(g.grad_query, tg.grad_query), max_abs_err(g.grad_key, tg.grad_key),
                            max_abs_err(g.grad_value, tg.grad_value),
@@ -181,6 +191,57 @@ TEST_P(Variants, SameBitsForOneAndTwoThreads) {
   EXPECT_EQ(g1.grad_key.to_vector(), g2.grad_key.to_vector()) << vdescribe(vc);
   EXPECT_EQ(g1.grad_value.to_vector(), g2.grad_value.to_vector()) << vdescribe(vc);
   if (vi.sinks.defined()) EXPECT_EQ(g1.grad_sinks.to_vector(), g2.grad_sinks.to_vector()) << vdescribe(vc);
+}
+
+// bfloat16 and float16 inputs with the variants, forward and backward, on every kernel that
+// takes the dtype: the rule of tests/sdpa/test_low_precision.cpp (truth: float64 of the rounded
+// inputs; bound: 2x the float32 reference's error after rounding its result to the dtype, plus
+// 1e-4). A kernel that lacks the variants (the native bf16 one) must refuse them by name.
+TEST_P(Variants, LowPrecisionWithinTwiceTheRoundedFloat32Reference) {
+  const VCase vc = GetParam();
+  const Case& c = vc.c;
+  if (c.L * c.S * c.E > 2'000'000) GTEST_SKIP() << "float64 backward truth too slow for " << vdescribe(vc);
+  VariantInputs vi = make_variant_inputs(c, variants()[vc.variant], 13);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    const Tensor q = vi.in.q.to(dtype), k = vi.in.k.to(dtype), v = vi.in.v.to(dtype), d = vi.dout.to(dtype);
+    const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32),
+                 d32 = d.to(DType::kFloat32);
+    SdpaOptions ref = vi.in.options;
+    ref.backend = SdpaBackend::kReference;
+    const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q32, k32, v32, ref);
+    const reference::SdpaGradsF64 tg = reference::scaled_dot_product_attention_backward_f64(d32, q32, k32, v32, ref);
+    const SdpaResult rf = scaled_dot_product_attention(q32, k32, v32, ref);
+    const SdpaGrads rg = scaled_dot_product_attention_backward(d32, q32, k32, v32, rf, ref);
+    const double ref_err = max_abs_err(rf.output.to(dtype), truth.output);
+    const double ref_g[3] = {max_abs_err(rg.grad_query.to(dtype), tg.grad_query),
+                             max_abs_err(rg.grad_key.to(dtype), tg.grad_key),
+                             max_abs_err(rg.grad_value.to(dtype), tg.grad_value)};
+    for (const std::string& kernel : test::runnable_kernels_for(dtype)) {
+      SdpaOptions o = vi.in.options;
+      o.kernel = kernel;
+      if (test::decode_refuses(kernel, q, k, v, o)) continue;
+      std::string refused;
+      try {
+        (void)sdpa_kernel_name(q, k, v, o);
+      } catch (const ValueError& e) {
+        refused = e.what();
+      }
+      if (!refused.empty()) {  // a kernel without the variants names the one it lacks
+        EXPECT_NE(refused.find("is served by the float32 kernels"), std::string::npos) << refused;
+        continue;
+      }
+      const std::string what = vdescribe(vc) + " " + std::string(dtype_name(dtype)) + " kernel " + kernel;
+      const SdpaResult f = scaled_dot_product_attention(q, k, v, o);
+      EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * ref_err + 1e-4) << what;
+      const SdpaGrads g = scaled_dot_product_attention_backward(d, q, k, v, f, o);
+      EXPECT_LE(max_abs_err(g.grad_query, tg.grad_query), 2.0 * ref_g[0] + 1e-4) << what << " dq";
+      EXPECT_LE(max_abs_err(g.grad_key, tg.grad_key), 2.0 * ref_g[1] + 1e-4) << what << " dk";
+      EXPECT_LE(max_abs_err(g.grad_value, tg.grad_value), 2.0 * ref_g[2] + 1e-4) << what << " dv";
+      if (vi.sinks.defined()) {
+        EXPECT_LE(max_abs_err(g.grad_sinks, tg.grad_sinks), 2.0 * max_abs_err(rg.grad_sinks, tg.grad_sinks) + 1e-3) << what << " dsinks";
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, Variants, testing::ValuesIn(variant_sweep()),

@@ -139,6 +139,23 @@ inline const std::vector<std::string>& runnable_fused_kernels() {
   return names;
 }
 
+// Kernels that take `dtype` and run here; prints the others with the reason.
+inline std::vector<std::string> runnable_kernels_for(DType dtype) {
+  std::vector<std::string> out;
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    bool takes = false;
+    for (DType d : k.dtypes) takes = takes || d == dtype;
+    if (!takes) continue;
+    if (k.runs_on_this_cpu) {
+      out.push_back(k.name);
+    } else {
+      std::printf("[ SKIPPED  ] %s kernel %s on this CPU: %s\n", std::string(dtype_name(dtype)).c_str(),
+                  k.name.c_str(), k.reason_if_not.c_str());
+    }
+  }
+  return out;
+}
+
 // The registered kernels whose name starts with `prefix` that this CPU runs (e.g. the decode
 // builds, "cpu.decode."); one it cannot run is reported on stdout with the reason.
 inline std::vector<std::string> runnable_kernels_named(const std::string& prefix) {
