@@ -63,21 +63,22 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
                          const SdpaResult& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& p) {
   Tensor qs, ks, vs, ds, os, ls;
-  const TensorView q = rows_adjacent(q_in, qs), k = rows_adjacent(k_in, ks),
-                   v = rows_adjacent(v_in, vs), dout = rows_adjacent(dout_in, ds),
+  const int cores = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  const TensorView q = rows_adjacent(q_in, qs, cores), k = rows_adjacent(k_in, ks, cores),
+                   v = rows_adjacent(v_in, vs, cores), dout = rows_adjacent(dout_in, ds, cores),
                    out = rows_contiguous(forward.output, os);
   const TensorView lse = forward.lse.is_contiguous() ? TensorView(forward.lse) : (ls = forward.lse.contiguous());
 
   SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
 
   FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
-  fp.guard_v = !all_finite(q) || !all_finite(k) || !all_finite(v) || !all_finite(dout);
+  fp.guard_v = !all_finite(q, cores) || !all_finite(k, cores) || !all_finite(v, cores) ||
+               !all_finite(dout, cores);
 
   const int64_t kv_heads = p.batch / p.group;
   const FlashBwdKeySplit split = flash_bwd_key_split(p.S, kv_heads);
   const int64_t ranges = split.ranges, items = kv_heads * ranges;
-  const int threads = std::max<int>(1, std::min<int64_t>(
-      options.num_threads > 0 ? options.num_threads : omp_get_max_threads(), items));
+  const int threads = std::max<int>(1, std::min<int64_t>(cores, items));
   const int64_t ws_floats = kernel.backward_workspace_floats(p.L, p.E, p.Ev);
 
   // Partial dQ of ranges 1.., each B*H_q heads of (L, E): every element is written by its item

@@ -30,18 +30,18 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
                          const TensorView& v_in, const SdpaOptions& options,
                          const detail::SdpaProblem& p) {
   Tensor qs, ks, vs;
-  const TensorView q = rows_contiguous(q_in, qs), k = rows_adjacent(k_in, ks),
-                   v = rows_adjacent(v_in, vs);
+  const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  const TensorView q = rows_contiguous(q_in, qs), k = rows_adjacent(k_in, ks, threads),
+                   v = rows_adjacent(v_in, vs, threads);
 
   const bool want_lse = options.need_lse || options.need_weights;  // the weights pass reads it
   SdpaResult result = make_forward_result(p, DType::kFloat32, want_lse);
 
   FlashParams fp = make_flash_params(p, options, q, k, v);
-  fp.guard_v = !all_finite(v);
+  fp.guard_v = !all_finite(v, threads);
 
   const int64_t nqb = (p.L + kernel.block_q - 1) / kernel.block_q;
   const std::vector<int64_t> items = forward_work_items(p, kernel.block_q);
-  const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   const int64_t ws_floats = kernel.workspace_floats(p.E, p.Ev);
   float* const out = result.output.data();
   float* const lse = want_lse ? result.lse.data() : nullptr;
