@@ -236,11 +236,13 @@ CausalAlignment alignment_of(const std::string& causal_align) {
 double band_pairs(const BenchConfig& c) {
   const int64_t L = c.seq, S = c.seq_kv_or_default();
   const int64_t off = alignment_of(c.causal_align) == CausalAlignment::kBottomRight ? S - L : 0;
+  // A side of L + S or more hides nothing more (and i' - left cannot overflow then).
+  const int64_t left = std::min(c.window_left, L + S), right = std::min(c.window_right, L + S);
   double pairs = 0;
   for (int64_t i = 0; i < L; ++i) {
     int64_t lo = 0, hi = S - 1;
-    if (c.window_left >= 0) lo = std::max<int64_t>(lo, i + off - c.window_left);
-    if (c.window_right >= 0) hi = std::min<int64_t>(hi, i + off + c.window_right);
+    if (left >= 0) lo = std::max<int64_t>(lo, i + off - left);
+    if (right >= 0) hi = std::min<int64_t>(hi, i + off + right);
     if (c.causal) hi = std::min<int64_t>(hi, i + off);
     if (hi >= lo) pairs += static_cast<double>(hi - lo + 1);
   }

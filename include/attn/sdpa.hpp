@@ -23,7 +23,7 @@
 //
 // Variants (SdpaOptions' last block): sliding window, logit softcapping, ALiBi and learnable
 // sinks, with FlashAttention's semantics, in every kernel family, forward and backward (the
-// decode and bfloat16 kernels refuse the ones they lack, and the next kernel takes the call).
+// bfloat16 kernel refuses them, and the float32 kernels take the call on widened inputs).
 //
 // Numerics policy: a query row whose every key is masked gets weights 0 and output 0 (PyTorch's
 // math path returns NaN there; a NaN would poison the rest of a model, so attn defines it); its

@@ -191,8 +191,8 @@ nb::object varlen(nb::handle query, nb::handle key, nb::handle value, nb::handle
   const QkvInputs in = qkv_inputs(query, key, value, bf16_bits);
   const Input &q = in.q, &k = in.k, &v = in.v;
   const Tensor cq = cu_seq_input(cu_seq_q, "cu_seq_q"), ck = cu_seq_input(cu_seq_k, "cu_seq_k");
-  const std::optional<Input> slopes = optional_input(alibi_slopes, "alibi_slopes");
-  const std::optional<Input> sink = optional_input(sinks, "sinks");
+  const std::optional<Input> slopes = head_param_arg(alibi_slopes, "alibi_slopes");
+  const std::optional<Input> sink = head_param_arg(sinks, "sinks");
   SdpaOptions opt;
   opt.is_causal = is_causal;
   if (causal_alignment == "bottom_right") {

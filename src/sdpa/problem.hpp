@@ -89,9 +89,10 @@ struct SdpaProblem {
 };
 // The variants' checks, shared with paged_attention: `who` names the function, `name` the
 // argument as its caller spells it ("window_size", "options.window_size"). ValueError for a
-// side below -1, a softcap that is not finite and > 0 (check_softcap returns 0 when unset);
-// for a per-head parameter (ALiBi slopes, sinks) DTypeError unless float32, ShapeError unless
-// one of `allowed`, ValueError for a value that is not finite.
+// side below -1, a softcap outside [FLT_MIN, FLT_MAX / log2(e)] (check_softcap returns 0 when
+// unset); for a per-head parameter (ALiBi slopes, sinks) DTypeError unless float32, ShapeError
+// unless one of `allowed`, ValueError for a value that is not finite or above FLT_MAX / log2(e)
+// in magnitude (the kernels' base-2 range).
 void check_window_size(const WindowSize& w, const char* who, const char* name);
 double check_softcap(const std::optional<double>& c, const char* who, const char* name);
 void check_head_param(const TensorView& t, const char* who, const char* name,

@@ -590,6 +590,26 @@ TEST(VariantPolicy, AKeyOutsideTheWindowStaysHiddenWhateverAnAdditiveMaskAdds) {
   }
 }
 
+TEST(VariantPolicy, AHugeSoftcapLeavesTheScoresAsTheyAre) {
+  // 1 / softcap is below float32's normal range here, and the fused kernels flush such results
+  // to zero: a kernel that divided the score by the cap and multiplied it back would return 0.
+  manual_seed(9);
+  const Tensor q = randn({1, 2, 33, 16}), k = randn({1, 2, 50, 16}), v = randn({1, 2, 50, 16});
+  SdpaOptions plain;
+  plain.backend = SdpaBackend::kReference;
+  const std::vector<float> want = scaled_dot_product_attention(q, k, v, plain).output.to_vector();
+  for (double cap : {1e36, 1e38, 2.3e38}) {
+    SdpaOptions probe;
+    probe.softcap = cap;
+    for (const std::string& kernel : every_kernel_for_f32(q, k, v, probe)) {
+      SdpaOptions o = probe;
+      o.kernel = kernel;
+      const std::vector<float> got = scaled_dot_product_attention(q, k, v, o).output.to_vector();
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5) << kernel << " softcap " << cap;
+    }
+  }
+}
+
 TEST(VariantDispatch, KernelsThatLackAVariantSayWhichAndTheNextTakesTheCall) {
   const Tensor q = randn({1, 2, 1, 64}), k = randn({1, 2, 300, 64}), v = randn({1, 2, 300, 64});
   Tensor sinks = Tensor::zeros({2});

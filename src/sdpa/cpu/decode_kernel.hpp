@@ -21,7 +21,7 @@
 // buffers instead; measured).
 //
 // Variants: per row and chunk, after the scale and in the fused forward's order, softcap
-// (c2 tanh(x / c2), tanhv) then ALiBi (x -= slope2 |i' - j|, slope2 the row's own: the rows of
+// (c2 tanh(x / c2), softcap_v) then ALiBi (x -= slope2 |i' - j|, slope2 the row's own: the rows of
 // an item belong to several query heads), then the band (is_causal and the window: each row's
 // [i + lo_offset, i + hi_offset]) and attn_mask assign -inf. With none of them used the chunk
 // loop pays one test per row and chunk, none per element. Keys outside every row's band are
@@ -390,7 +390,8 @@ inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, f
 inline void modify_row(float softcap2, float slope2, int64_t d0, int64_t nkp, float* sr) {
   if (softcap2 > 0.0f) {
     const float inv_c = 1.0f / softcap2;
-    for (int64_t u = 0; u < nkp; u += W) store(sr + u, tanhv(load(sr + u) * inv_c) * softcap2);
+    vf t;
+    for (int64_t u = 0; u < nkp; u += W) store(sr + u, softcap_v(load(sr + u), softcap2, inv_c, t));
   }
   if (slope2 != 0.0f) {
     vf lane_u;

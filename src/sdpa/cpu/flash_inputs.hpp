@@ -26,10 +26,11 @@ inline int64_t row_offset(const TensorView& t, int64_t r) {
   return off;
 }
 
-// A contiguous copy of t, whose last dim is contiguous, a whole row per memcpy on `threads`
+// A contiguous copy of t; when its last dim is contiguous, a whole row per memcpy on `threads`
 // threads (TensorView::contiguous gathers element by element on one: a token-major K and V of
 // 30 M floats took longer to copy than a short sequence's attention).
 inline Tensor copy_rows(const TensorView& t, int threads) {
+  if (t.stride(-1) != 1) return t.contiguous();  // rows are not runs of memory: gather
   Tensor out = Tensor::empty(t.shape(), t.dtype());
   const int64_t cols = t.size(-1), rows = cols > 0 ? t.numel() / cols : 0;
   const size_t esize = static_cast<size_t>(t.element_size()), bytes = static_cast<size_t>(cols) * esize;

@@ -90,13 +90,15 @@ inline vf exp2v(vf x) {
   return x != x ? x : r;
 }
 
-// tanh(y) to a few ulp: an odd Taylor polynomial below |y| = 0.5 (degree 17: truncation
-// < 1e-9 relative), (1 - e) / (1 + e) with e = exp(-2|y|) above, where no cancellation can occur
-// (e <= 0.37). NaN stays NaN; +-inf gives +-1. A vector whose lanes all fall on one side computes
-// that side only: with a typical cap (Gemma 2's 50) nearly every score is in the polynomial's
-// range, and the exp and the division are the expensive half.
-inline vf tanh_small(vf y) {
-  const vf y2 = y * y;
+// Softcapping, x -> c tanh(x / c), to a few ulp: below |y| = |x / c| = 0.5 as x * (tanh(y) / y)
+// with tanh(y) / y an even Taylor polynomial (degree 16: truncation < 1e-9 relative), so that the
+// score is never divided by c and multiplied back (with a huge c, x / c is below float32's normal
+// range and the kernels flush it to zero: x * 1 is then exact, c * tanh(0) would be 0); above,
+// c (1 - e) / (1 + e) with e = exp(-2|y|), where no cancellation can occur (e <= 0.37). NaN stays
+// NaN. A vector whose lanes all fall on one side computes that side only: with a typical cap
+// (Gemma 2's 50) nearly every score is in the polynomial's range, and the exp and the division
+// are the expensive half.
+inline vf tanh_ratio_small(vf y2) {  // tanh(y) / y for |y| < 0.5, from y^2
   vf p = splat(-2.3912911424355248e-04f);
   p = p * y2 + 5.9002744094558600e-04f;
   p = p * y2 - 1.4558343870513183e-03f;
@@ -106,7 +108,7 @@ inline vf tanh_small(vf y) {
   p = p * y2 - 5.3968253968253968e-02f;
   p = p * y2 + 1.3333333333333333e-01f;
   p = p * y2 - 3.3333333333333333e-01f;
-  return y + y * y2 * p;
+  return 1.0f + y2 * p;
 }
 inline vf tanh_big(vf y, vf a) {
   const vf e = exp2v(a * (-2.0f * std::numbers::log2e_v<float>));
@@ -135,13 +137,25 @@ inline int count_true(vi m) {
 #endif
 }
 
-inline vf tanhv(vf y) {
+// Returns c tanh(x / c) and sets t = tanh(x / c) (the backward's 1 - t^2); inv_c = 1 / c.
+inline vf softcap_v(vf x, float c, float inv_c, vf& t) {
+  const vf y = x * inv_c;
   const vf a = y < 0.0f ? -y : y;
   const vi small = a < 0.5f;
   const int n_small = count_true(small);
-  if (n_small == W) return tanh_small(y);
-  if (n_small == 0) return tanh_big(y, a);
-  return small ? tanh_small(y) : tanh_big(y, a);
+  if (n_small == W) {
+    const vf r = tanh_ratio_small(y * y);
+    t = y * r;
+    return x * r;
+  }
+  const vf big = tanh_big(y, a);
+  if (n_small == 0) {
+    t = big;
+    return big * c;
+  }
+  const vf r = tanh_ratio_small(y * y);
+  t = small ? y * r : big;
+  return small ? x * r : big * c;
 }
 
 inline int64_t workspace_floats(int64_t E, int64_t Ev) {
@@ -200,8 +214,8 @@ inline void modify_block(const FlashParams& p, const FlashBlock& b, int64_t j0, 
   if (p.softcap2 > 0.0f) {
     const float c = p.softcap2, inv_c = 1.0f / p.softcap2;
     for (int64_t x = 0; x < nk * kBQ; x += W) {
-      const vf t = tanhv(load(st + x) * inv_c);
-      store(st + x, t * c);
+      vf t;
+      store(st + x, softcap_v(load(st + x), c, inv_c, t));
       if (cap_grad != nullptr) store(cap_grad + x, 1.0f - t * t);
     }
   }

@@ -6,7 +6,9 @@
 // accumulation p * v from zero lands below 2^-126. Measured (B=1 H=12 L=4096 E=64, 2 threads):
 // the ALiBi backward ran 36 % slower than the plain one without FTZ, 3 % with it. With FTZ such
 // a result becomes 0: a change of less than 2^-126 in absolute terms, far below every tolerance
-// (the reference, which materialises the scores, keeps gradual underflow). Subnormal inputs are
+// (the reference, which materialises the scores, keeps gradual underflow), provided no kernel
+// scales a value down below 2^-126 and back up (softcap_v never divides a score by the cap and
+// multiplies it back for that reason). Subnormal inputs are
 // still read as they are (no DAZ). The previous MXCSR is restored on exit, so the calling
 // threads see no change.
 #pragma once
