@@ -681,9 +681,10 @@ TEST(VariantBadInput, TypedErrorsNameTheArgumentAndTheValue) {
   // (B, H) slopes need 4-D inputs; 3-D inputs take (H) only.
   const Tensor q3 = randn({3, 4, 8}), k3 = randn({3, 5, 8}), v3 = randn({3, 5, 8});
   SdpaOptions bh;
-  bh.alibi_slopes = Tensor::zeros({1, 3});
+  const Tensor slopes_1h = Tensor::zeros({1, 3}), slopes_h = Tensor::zeros({3});  // options hold views
+  bh.alibi_slopes = slopes_1h;
   expect_error_naming<ShapeError>([&] { (void)scaled_dot_product_attention(q3, k3, v3, bh); }, "alibi_slopes");
-  bh.alibi_slopes = Tensor::zeros({3});
+  bh.alibi_slopes = slopes_h;
   EXPECT_NO_THROW((void)scaled_dot_product_attention(q3, k3, v3, bh));
 }
 
