@@ -143,6 +143,7 @@ struct SdpaOptions {
   std::optional<double> softcap;
   // ALiBi (BLOOM, MPT): float32 slopes of shape (H) or (B, H) (H = query heads; 1 for 2-D
   // inputs; (B, H) needs 4-D inputs); x -= slope * |i' - j|. Constants: no gradient.
+  // Like attn_mask, alibi_slopes and sinks are views: their tensors must outlive the call.
   // Finite, |slope| <= FLT_MAX / log2(e) (as scale), else ValueError.
   std::optional<TensorView> alibi_slopes;
   // Learnable attention sinks (gpt-oss): float32 logits of shape (H). Each row's softmax gets one
