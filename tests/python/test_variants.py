@@ -309,16 +309,16 @@ def test_variants_on_16_bit_inputs():
     np.testing.assert_allclose(out.astype(np.float64), ref_sdpa(q, k, v, **kw), rtol=0, atol=2e-3)
 
 
-def test_decode_kernels_refuse_variants_with_the_reason():
+def test_decode_kernels_compute_every_variant():
     decode = [n for n in float32_kernels() if n.startswith("cpu.decode.")]
     if not decode:
         pytest.skip("no decode kernel runs on this CPU")
-    q, k, v = qkv(L=1, S=20)
-    with pytest.raises(ValueError, match="softcap"):
-        attn.scaled_dot_product_attention(q, k, v, softcap=2.0, kernel=decode[0])
-    # Chosen automatically, a flash kernel takes the call instead.
-    np.testing.assert_allclose(attn.scaled_dot_product_attention(q, k, v, softcap=2.0),
-                               ref_sdpa(q, k, v, softcap=2.0), rtol=0, atol=2e-5)
+    q, k, v = qkv(H=2, L=1, S=20)
+    kw = dict(window_size=(5, 0), softcap=2.0, alibi_slopes=alibi(2), sinks=rnd(2, seed=3))
+    want = ref_sdpa(q, k, v, **kw)
+    for name in decode:
+        np.testing.assert_allclose(attn.scaled_dot_product_attention(q, k, v, kernel=name, **kw),
+                                   want, rtol=0, atol=2e-5)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
