@@ -166,6 +166,18 @@ struct SdpaResult {
 SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
                                         const TensorView& value, const SdpaOptions& options = {});
 
+// What a backward reads of its forward: views of the output, the LSE and (kTorch dropout only)
+// the weights. Made implicitly from the forward's SdpaResult; a framework that keeps its own
+// tensors (attn.torch's saved output and LSE) passes views of them instead, with no copy.
+struct SdpaSaved {
+  TensorView output, lse, attn_weights;
+  SdpaSaved() = default;
+  SdpaSaved(const SdpaResult& r)  // NOLINT(google-explicit-constructor): a forward's result is one
+      : output(r.output), lse(r.lse), attn_weights(r.attn_weights) {}
+  SdpaSaved(TensorView out, TensorView log_sum_exp, TensorView weights = {})
+      : output(out), lse(log_sum_exp), attn_weights(weights) {}
+};
+
 // ---- backward ------------------------------------------------------------------------------------
 //
 // Gradients of scaled_dot_product_attention with respect to query, key and value, given the
@@ -196,7 +208,7 @@ struct SdpaGrads {
 
 SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
                                                 const TensorView& query, const TensorView& key,
-                                                const TensorView& value, const SdpaResult& forward,
+                                                const TensorView& value, const SdpaSaved& forward,
                                                 const SdpaOptions& options = {});
 
 // ---- kernels ---------------------------------------------------------------------------------

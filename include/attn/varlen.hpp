@@ -57,7 +57,7 @@ SdpaResult varlen_attn(const TensorView& query, const TensorView& key, const Ten
 SdpaGrads varlen_attn_backward(const TensorView& grad_output, const TensorView& query,
                                const TensorView& key, const TensorView& value,
                                const TensorView& cu_seq_q, const TensorView& cu_seq_k,
-                               int64_t max_q, int64_t max_k, const SdpaResult& forward,
+                               int64_t max_q, int64_t max_k, const SdpaSaved& forward,
                                const SdpaOptions& options = {});
 
 }  // namespace attn

@@ -18,6 +18,7 @@
 
 #include "attn/attn.hpp"
 #include "convert.hpp"
+#include "torch_ops.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -57,17 +58,6 @@ WindowSize window_arg(nb::handle obj) {
   WindowSize w;
   if (!nb::try_cast(obj[0], w.left) || !nb::try_cast(obj[1], w.right)) throw bad();
   return w;
-}
-
-// alibi_slopes / sinks: float32 arrays (float64 ones are rounded to float32, the dtype the
-// library takes them in); bool and other dtypes raise TypeError naming the argument.
-std::optional<Input> head_param_arg(nb::handle obj, const char* arg) {
-  if (obj.is_none()) return std::nullopt;
-  Input in = float_input(obj, arg);
-  if (in.kind == Kind::kBool) {
-    throw nb::type_error((std::string(arg) + ": expected a float32 or float64 array, got bool").c_str());
-  }
-  return in;
 }
 
 // The binding behind attn.scaled_dot_product_attention (attn/__init__.py), in the inputs' dtype.
@@ -146,22 +136,6 @@ nb::list sdpa_kernel_list() {
 }
 
 // ---- varlen_attn ------------------------------------------------------------------------------
-
-// cu_seq_q / cu_seq_k: any integer array, as the int32 tensor varlen_attn reads (ValueError for a
-// value outside int32; floats raise TypeError).
-Tensor cu_seq_input(nb::handle obj, const char* arg) {
-  Shape shape;
-  const std::vector<int64_t> v = int_input(obj, arg, shape, "cumulative sequence lengths");
-  Tensor t = Tensor::empty(shape, DType::kInt32);
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (v[i] < INT32_MIN || v[i] > INT32_MAX) {
-      throw nb::value_error((std::string(arg) + ": cumulative sequence lengths must fit in int32, got " +
-                             std::to_string(v[i])).c_str());
-    }
-    t.data_as<int32_t>()[i] = static_cast<int32_t>(v[i]);
-  }
-  return t;
-}
 
 // query, key and value in their dtypes (bf16_bits: bit 0 query, 1 key, 2 value hold bfloat16
 // bits); bool arrays raise TypeError. (What sdpa above reads inline: it can share this.)
@@ -311,6 +285,8 @@ features this machine lacks; "" when it runs).)");
         R"(The binding behind attn.varlen_attn (see its docstring). bf16_bits marks arguments
 holding bfloat16 bits as uint16 (bit 0 query, 1 key, 2 value); a bfloat16 output is returned as
 its uint16 bits.)");
+
+  bind_torch_ops(m);
 
   m.def("manual_seed", [](uint64_t seed) {
     std::lock_guard<std::mutex> lock(rng_mutex);

@@ -1,5 +1,6 @@
 #include "convert.hpp"
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
 
@@ -240,27 +241,46 @@ std::vector<int64_t> int_input(nb::handle obj, const char* arg, Shape& shape, co
   return ids;
 }
 
-nb::object to_numpy(Tensor&& t) {
-  auto* owned = new Tensor(std::move(t));
-  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+namespace {
+
+// A heap Tensor owned by a capsule (freed when the array that holds the capsule dies), its
+// shape, and its DLPack dtype: bfloat16 as DLPack's Bfloat (torch) or as uint16 bits (NumPy,
+// which has no bfloat16).
+struct Owned {
+  Tensor* tensor;
+  nb::capsule owner;
   size_t shape[kMaxDims];
-  for (int i = 0; i < owned->dim(); ++i) shape[i] = static_cast<size_t>(owned->size(i));
-  nb::dlpack::dtype dt{};
-  dt.lanes = 1;
-  dt.bits = static_cast<uint8_t>(8 * owned->element_size());
-  switch (owned->dtype()) {
+  nb::dlpack::dtype dtype;
+  void* data;
+};
+Owned own(Tensor&& t, bool native_bfloat16) {
+  Owned o{new Tensor(std::move(t)), {}, {}, {}, nullptr};
+  o.owner = nb::capsule(o.tensor, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+  for (int i = 0; i < o.tensor->dim(); ++i) o.shape[i] = static_cast<size_t>(o.tensor->size(i));
+  o.dtype.lanes = 1;
+  o.dtype.bits = static_cast<uint8_t>(8 * o.tensor->element_size());
+  switch (o.tensor->dtype()) {
     case DType::kFloat32:
     case DType::kFloat64:
-    case DType::kFloat16: dt.code = static_cast<uint8_t>(dtype_code::Float); break;
-    case DType::kBFloat16: dt.code = static_cast<uint8_t>(dtype_code::UInt); break;  // the bits
+    case DType::kFloat16: o.dtype.code = static_cast<uint8_t>(dtype_code::Float); break;
+    case DType::kBFloat16:
+      o.dtype.code = static_cast<uint8_t>(native_bfloat16 ? dtype_code::Bfloat : dtype_code::UInt);
+      break;
     case DType::kInt8:
-    case DType::kInt32: dt.code = static_cast<uint8_t>(dtype_code::Int); break;
+    case DType::kInt32: o.dtype.code = static_cast<uint8_t>(dtype_code::Int); break;
   }
-  // An empty tensor may have no storage; NumPy still wants a non-null pointer.
+  // An empty tensor may have no storage; NumPy and DLPack still want a non-null pointer.
   alignas(8) static uint8_t dummy[8] = {};
-  void* data = owned->raw_data() ? owned->raw_data() : dummy;
-  return nb::cast(nb::ndarray<nb::numpy>(data, static_cast<size_t>(owned->dim()), shape, owner,
-                                         nullptr, dt));
+  o.data = o.tensor->raw_data() ? o.tensor->raw_data() : dummy;
+  return o;
+}
+
+}  // namespace
+
+nb::object to_numpy(Tensor&& t) {
+  const Owned o = own(std::move(t), false);
+  return nb::cast(nb::ndarray<nb::numpy>(o.data, static_cast<size_t>(o.tensor->dim()), o.shape,
+                                         o.owner, nullptr, o.dtype));
 }
 
 nb::object to_numpy(std::vector<double>&& values, const Shape& shape) {
@@ -271,6 +291,39 @@ nb::object to_numpy(std::vector<double>&& values, const Shape& shape) {
   static double dummy = 0.0;
   double* data = owned->empty() ? &dummy : owned->data();
   return nb::cast(nb::ndarray<nb::numpy, double>(data, static_cast<size_t>(shape.ndim()), dims, owner));
+}
+
+nb::object to_torch(Tensor&& t) {
+  const Owned o = own(std::move(t), true);
+  return nb::cast(nb::ndarray<nb::pytorch>(o.data, static_cast<size_t>(o.tensor->dim()), o.shape,
+                                           o.owner, nullptr, o.dtype));
+}
+
+// cu_seq_q / cu_seq_k: any integer array, as the int32 tensor varlen_attn reads (ValueError for a
+// value outside int32; floats raise TypeError).
+Tensor cu_seq_input(nb::handle obj, const char* arg) {
+  Shape shape;
+  const std::vector<int64_t> v = int_input(obj, arg, shape, "cumulative sequence lengths");
+  Tensor t = Tensor::empty(shape, DType::kInt32);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] < INT32_MIN || v[i] > INT32_MAX) {
+      throw nb::value_error((std::string(arg) + ": cumulative sequence lengths must fit in int32, got " +
+                             std::to_string(v[i])).c_str());
+    }
+    t.data_as<int32_t>()[i] = static_cast<int32_t>(v[i]);
+  }
+  return t;
+}
+
+// alibi_slopes / sinks: float32 arrays (float64 ones are rounded to float32, the dtype the
+// library takes them in); bool and other dtypes raise TypeError naming the argument.
+std::optional<Input> head_param_arg(nb::handle obj, const char* arg) {
+  if (obj.is_none()) return std::nullopt;
+  Input in = float_input(obj, arg);
+  if (in.kind == Kind::kBool) {
+    throw nb::type_error((std::string(arg) + ": expected a float32 or float64 array, got bool").c_str());
+  }
+  return in;
 }
 
 }  // namespace attn::py

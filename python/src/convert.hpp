@@ -14,6 +14,7 @@
 #include <nanobind/ndarray.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,11 +54,22 @@ Input sdpa_input(nb::handle obj, const char* arg, bool bf16_bits);
 std::vector<int64_t> int_input(nb::handle obj, const char* arg, Shape& shape,
                                const char* what = "token ids");
 
+// alibi_slopes / sinks: a float32 view (float64 rounded to float32), or nullopt for None;
+// bool and other dtypes raise TypeError naming `arg`.
+std::optional<Input> head_param_arg(nb::handle obj, const char* arg);
+
+// cu_seq_q / cu_seq_k of varlen attention: any integer array, as the int32 tensor the library
+// reads (ValueError for a value outside int32; floats raise TypeError).
+Tensor cu_seq_input(nb::handle obj, const char* arg);
+
 // The Python type name of an array's element type, as NumPy spells it ("float32", "int64", ...).
 std::string dtype_name(const nb::dlpack::dtype& dt);
 
 // An owning NumPy array taking over `t`'s storage, in `t`'s dtype (bfloat16 as uint16 bits).
 nb::object to_numpy(Tensor&& t);
+// An owning torch.Tensor taking over `t`'s storage through DLPack (no copy), in `t`'s dtype
+// (bfloat16 as torch.bfloat16). Imports torch: only attn.torch's bindings call it.
+nb::object to_torch(Tensor&& t);
 // An owning NumPy float64 array over `values` with `shape`.
 nb::object to_numpy(std::vector<double>&& values, const Shape& shape);
 

@@ -272,7 +272,7 @@ void require_shape(const TensorView& t, const Shape& want, const char* name, con
 }
 }  // namespace
 
-void check_sdpa_backward(const TensorView& grad_output, const SdpaResult& forward,
+void check_sdpa_backward(const TensorView& grad_output, const SdpaSaved& forward,
                          const SdpaOptions& options, const SdpaProblem& p) {
   Shape out = p.lead, lse = p.lead, weights = p.lead;
   out.push_back(p.L);

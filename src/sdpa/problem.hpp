@@ -105,7 +105,7 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
 // Validates the extra arguments of scaled_dot_product_attention_backward against the forward's
 // problem `p`: grad_output and forward.output of shape lead + (L, Ev), forward.lse of shape
 // lead + (L), and with kTorch dropout forward.attn_weights of shape lead + (L, S).
-void check_sdpa_backward(const TensorView& grad_output, const SdpaResult& forward,
+void check_sdpa_backward(const TensorView& grad_output, const SdpaSaved& forward,
                          const SdpaOptions& options, const SdpaProblem& p);
 
 // Offset of batch element `b` (row-major over `lead`) in a view whose leading dims match `lead`.

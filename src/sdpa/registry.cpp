@@ -27,7 +27,7 @@ constexpr std::array<DType, 1> kBFloat16Only{DType::kBFloat16};
 using ForwardFn = SdpaResult (*)(const TensorView&, const TensorView&, const TensorView&,
                                  const SdpaOptions&, const SdpaProblem&);
 using BackwardFn = SdpaGrads (*)(const TensorView&, const TensorView&, const TensorView&,
-                                 const TensorView&, const SdpaResult&, const SdpaOptions&,
+                                 const TensorView&, const SdpaSaved&, const SdpaOptions&,
                                  const SdpaProblem&);
 
 // bfloat16 / float16 inputs on a float32 kernel: widened once (exactly), computed in float32,
@@ -54,24 +54,23 @@ SdpaResult widening_forward(const TensorView& q, const TensorView& k, const Tens
 // do), which wrecks the gradient of a row that sees one key, whose true dQ is exactly 0.
 template <BackwardFn F32, ForwardFn FwdF32>
 SdpaGrads widening_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                            const TensorView& v, const SdpaResult& forward,
+                            const TensorView& v, const SdpaSaved& forward,
                             const SdpaOptions& options, const SdpaProblem& p) {
   if (p.dtype == DType::kFloat32) return F32(dout, q, k, v, forward, options, p);
   SdpaProblem p32 = p;
   p32.dtype = p32.kv_dtype = DType::kFloat32;
   const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
-  SdpaResult f32;
+  Tensor out32, w32;
   if (FwdF32 != nullptr) {
     SdpaOptions fo = options;
     fo.need_weights = false;
     fo.need_lse = false;
-    f32.output = FwdF32(q32, k32, v32, fo, p32).output;
+    out32 = FwdF32(q32, k32, v32, fo, p32).output;
   } else {
-    f32.output = forward.output.to(DType::kFloat32);
+    out32 = forward.output.to(DType::kFloat32);
   }
-  f32.lse = forward.lse;
-  if (forward.attn_weights.defined()) f32.attn_weights = forward.attn_weights.to(DType::kFloat32);
-  SdpaGrads g = F32(dout.to(DType::kFloat32), q32, k32, v32, f32, options, p32);
+  if (forward.attn_weights.defined()) w32 = forward.attn_weights.to(DType::kFloat32);
+  SdpaGrads g = F32(dout.to(DType::kFloat32), q32, k32, v32, SdpaSaved(out32, forward.lse, w32), options, p32);
   g.grad_query = g.grad_query.to(p.dtype);
   g.grad_key = g.grad_key.to(p.dtype);
   g.grad_value = g.grad_value.to(p.dtype);
@@ -97,7 +96,7 @@ SdpaResult reference_forward(const TensorView& q, const TensorView& k, const Ten
 }
 
 SdpaGrads reference_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                             const TensorView& v, const SdpaResult& forward,
+                             const TensorView& v, const SdpaSaved& forward,
                              const SdpaOptions& options, const SdpaProblem& p) {
   if (p.dtype != DType::kFloat64) {
     // The reference's D is rowsum(P * dP): it never reads the forward's output.
@@ -145,7 +144,7 @@ SdpaResult fused_forward_f32(const TensorView& q, const TensorView& k, const Ten
 
 template <const cpu::FlashKernel& (*Table)()>
 SdpaGrads fused_backward_f32(const TensorView& grad_output, const TensorView& q, const TensorView& k,
-                             const TensorView& v, const SdpaResult& forward,
+                             const TensorView& v, const SdpaSaved& forward,
                              const SdpaOptions& options, const SdpaProblem& problem) {
   return cpu::flash_backward(Table(), grad_output, q, k, v, forward, options, problem);
 }
@@ -177,7 +176,7 @@ SdpaResult decode_forward(const TensorView& q, const TensorView& k, const Tensor
 // against 16-bit keys/values are widened; dK and dV come back in the keys' dtype.
 template <const cpu::FlashKernel& (*Table)()>
 SdpaGrads decode_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                          const TensorView& v, const SdpaResult& forward,
+                          const TensorView& v, const SdpaSaved& forward,
                           const SdpaOptions& options, const SdpaProblem& p) {
   if (p.kv_dtype == p.dtype) return fused_backward<Table>(dout, q, k, v, forward, options, p);
   SdpaProblem p32 = p;

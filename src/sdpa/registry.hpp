@@ -32,7 +32,7 @@ struct SdpaKernel {
   SdpaResult (*forward)(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const SdpaProblem& problem);
   SdpaGrads (*backward)(const TensorView& grad_output, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const SdpaResult& forward,
+                        const TensorView& v, const SdpaSaved& forward,
                         const SdpaOptions& options, const SdpaProblem& problem);
   // "" if kAuto (and a backend family) may choose this kernel on this CPU, else why it prefers
   // another one that is faster here (the kernel can still be forced by name). May be nullptr.
@@ -69,7 +69,7 @@ namespace attn::reference {
 SdpaResult sdpa_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const detail::SdpaProblem& problem);
 SdpaGrads sdpa_backward(const TensorView& grad_output, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
+                        const TensorView& v, const SdpaSaved& forward, const SdpaOptions& options,
                         const detail::SdpaProblem& problem);
 // The float64 reference (attn/sdpa.hpp's scaled_dot_product_attention_f64 and its backward) on
 // an already validated problem, so that its bh_base reaches the Philox counters.
@@ -91,7 +91,7 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q, const T
                          const detail::SdpaProblem& problem);
 SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& grad_output,
                          const TensorView& q, const TensorView& k, const TensorView& v,
-                         const SdpaResult& forward, const SdpaOptions& options,
+                         const SdpaSaved& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& problem);
 // The bfloat16 forward on AVX512-BF16 (flash_fwd_bf16.cpp), and the check it needs: true if
 // no element of a bf16 tensor is NaN or Inf.

@@ -16,7 +16,7 @@ SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorVie
 
 SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
                                                 const TensorView& query, const TensorView& key,
-                                                const TensorView& value, const SdpaResult& forward,
+                                                const TensorView& value, const SdpaSaved& forward,
                                                 const SdpaOptions& options) {
   const detail::SdpaProblem p = detail::check_sdpa(query, key, value, options);
   detail::check_sdpa_backward(grad_output, forward, options, p);

@@ -279,7 +279,7 @@ DType lse_dtype(DType input) { return input == DType::kFloat64 ? DType::kFloat64
 
 // The backward's extra arguments against the plan: grad_output and forward.output of shape
 // (total_q, H, Ev) in query's dtype, forward.lse of shape (H, total_q).
-void check_backward(const TensorView& grad_output, const SdpaResult& forward, const TensorView& q,
+void check_backward(const TensorView& grad_output, const SdpaSaved& forward, const TensorView& q,
                     const VarlenPlan& plan) {
   const Shape out{plan.total_q, plan.H, plan.Ev}, lse{plan.H, plan.total_q};
   struct Arg {
@@ -339,7 +339,7 @@ SdpaResult varlen_attn(const TensorView& query, const TensorView& key, const Ten
 SdpaGrads varlen_attn_backward(const TensorView& grad_output, const TensorView& query,
                                const TensorView& key, const TensorView& value,
                                const TensorView& cu_seq_q, const TensorView& cu_seq_k,
-                               int64_t max_q, int64_t max_k, const SdpaResult& forward,
+                               int64_t max_q, int64_t max_k, const SdpaSaved& forward,
                                const SdpaOptions& options) {
   const VarlenPlan plan = make_plan(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, options, kBackward);
   check_backward(grad_output, forward, query, plan);

@@ -39,7 +39,8 @@
 //        the row's scores: delta = u * ((E + 6) * max_j sum_e |q_e k_e| * |scale|
 //        + 4 * max_j |additive mask| + 8 + variants), u = 2^-24, where the variants add
 //        4 |slope| (L + S) (ALiBi's bias), 4 |sink| (its base-2 rounding) and, with softcap c,
-//        amax + 8 min(c, amax) (division, tanh and product), plus c * 2^-149 outside u (for
+//        amax + 8 min(c, amax) (division, tanh and product; 8 c when a visible score is
+//        infinite, capped to +-c and then rounded like any score of that size), plus c * 2^-149 outside u (for
 //        c near float32's top 1/c is subnormal). For well-scaled rows delta is ~1e-6 and
 //        the rule is FlashAttention's "2x the reference's error plus a floor"; for rows with
 //        huge scores (where float32 softmax itself is ill-conditioned) it widens accordingly.
@@ -797,6 +798,7 @@ void run(ByteReader& in) {
       // Which keys are certainly masked, and the row's score-error bound.
       bool all_masked = true, ambiguous = false;
       double amax = 0, madd = 0;
+      bool infinite_score = false;  // absdot skips non-finite products; softcap makes them +-c
       for (int64_t j = 0; j < S; ++j) {
         const bool k_finite = k_row_finite[static_cast<size_t>(kb * S + j)];
         bool masked = o.is_causal && j > i + causal_off;
@@ -814,11 +816,12 @@ void run(ByteReader& in) {
         }
         all_masked = false;
         amax = std::max(amax, absdot[row * S + j] * scale_eff);
+        infinite_score = infinite_score || !q_finite || !k_finite;
         if (is_add && std::isfinite(m)) madd = std::max(madd, std::fabs(static_cast<double>(m)));
       }
       double variants = 4 * std::fabs(static_cast<double>(slope_of[b])) * static_cast<double>(L + S);
       if (o.sinks) variants += 4 * std::fabs(static_cast<double>(sink_of[b]));
-      if (cap > 0) variants += amax + 8 * std::min(cap, amax);
+      if (cap > 0) variants += amax + 8 * std::min(cap, infinite_score ? cap : amax);
       const double delta = kU * ((E + 6) * amax + 4 * madd + 8 + variants) + cap * 0x1p-149;
       for (int64_t j = 0; j < S && !all_masked; ++j) {
         if (v_row_finite[static_cast<size_t>(kb * S + j)]) continue;
@@ -876,6 +879,7 @@ void run(ByteReader& in) {
         CHECK_ROW(err_r <= tol, "output: reference error vs truth above the bound");
         if (have_fused) {
           if (!(err_f <= 2 * err_r + tol)) {
+            dump_row(b, i);
             attn::fuzz::fuzz_fail("output: fused error %.3g > 2 * reference error %.3g + tol %.3g (delta %.3g) "
                                   "at row b=%lld i=%lld\n  problem: %s", err_f, err_r, tol, delta,
                                   (long long)b, (long long)i, desc.c_str());
@@ -908,6 +912,7 @@ void run(ByteReader& in) {
         CHECK_ROW(err_r <= tol, "weights: reference error vs truth above the bound");
         if (have_fused) {
           if (!(err_f <= 2 * err_r + tol)) {
+            dump_row(b, i);
             attn::fuzz::fuzz_fail("weights: fused error %.3g > 2 * reference error %.3g + tol %.3g at row b=%lld "
                                   "i=%lld\n  problem: %s", err_f, err_r, tol, (long long)b, (long long)i, desc.c_str());
           }

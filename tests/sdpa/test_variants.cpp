@@ -610,6 +610,32 @@ TEST(VariantPolicy, AHugeSoftcapLeavesTheScoresAsTheyAre) {
   }
 }
 
+// An infinite score under a cap above 2^126 (whose 1 / c is denormal, flushed in the kernels)
+// is capped to +-c like any other, never inf * 0 = NaN (the fuzzer found a NaN row here).
+TEST(VariantPolicy, AHugeSoftcapCapsInfiniteScores) {
+  manual_seed(10);
+  const Tensor q = randn({1, 2, 9, 8}), v = randn({1, 2, 25, 4});
+  Tensor k = randn({1, 2, 25, 8});
+  k.at({0, 0, 24, 3}) = INFINITY;   // scores +-inf by the sign of q[..., 3]
+  k.at({0, 1, 7, 0}) = -INFINITY;
+  for (double cap : {2e38, 1e30, 5.0}) {
+    SdpaOptions probe;
+    probe.softcap = cap;
+    probe.backend = SdpaBackend::kReference;
+    const std::vector<float> want = scaled_dot_product_attention(q, k, v, probe).output.to_vector();
+    probe.backend = SdpaBackend::kAuto;
+    for (const std::string& kernel : every_kernel_for_f32(q, k, v, probe)) {
+      SdpaOptions o = probe;
+      o.kernel = kernel;
+      const std::vector<float> got = scaled_dot_product_attention(q, k, v, o).output.to_vector();
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(want[i])) << "reference, softcap " << cap;
+        ASSERT_NEAR(got[i], want[i], 1e-5) << kernel << " softcap " << cap << " at " << i;
+      }
+    }
+  }
+}
+
 TEST(VariantDispatch, KernelsThatLackAVariantSayWhichAndTheNextTakesTheCall) {
   const Tensor q = randn({1, 2, 1, 64}), k = randn({1, 2, 300, 64}), v = randn({1, 2, 300, 64});
   Tensor sinks = Tensor::zeros({2});

@@ -389,9 +389,9 @@ inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, f
 // the chunk's keys is overwritten with -inf afterwards.
 inline void modify_row(float softcap2, float slope2, int64_t d0, int64_t nkp, float* sr) {
   if (softcap2 > 0.0f) {
-    const float inv_c = 1.0f / softcap2;
+    const SoftcapConst k = softcap_const(softcap2);
     vf t;
-    for (int64_t u = 0; u < nkp; u += W) store(sr + u, softcap_v(load(sr + u), softcap2, inv_c, t));
+    for (int64_t u = 0; u < nkp; u += W) store(sr + u, softcap_v(load(sr + u), k, t));
   }
   if (slope2 != 0.0f) {
     vf lane_u;

@@ -60,7 +60,7 @@ static Tensor sinks_grad(const detail::SdpaProblem& p, const TensorView& dout, c
 
 SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
                          const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
-                         const SdpaResult& forward, const SdpaOptions& options,
+                         const SdpaSaved& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& p) {
   Tensor qs, ks, vs, ds, os, ls;
   const int cores = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();

@@ -34,8 +34,8 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
   const TensorView q = rows_contiguous(q_in, qs), k = rows_adjacent(k_in, ks, threads),
                    v = rows_adjacent(v_in, vs, threads);
 
-  const bool want_lse = options.need_lse || options.need_weights;  // the weights pass reads it
-  SdpaResult result = make_forward_result(p, DType::kFloat32, want_lse);
+  SdpaResult result = make_forward_result(p, DType::kFloat32, options.need_lse);
+  std::vector<float> stats(options.need_weights ? static_cast<size_t>(2 * p.batch * p.L) : 0);
 
   FlashParams fp = make_flash_params(p, options, q, k, v);
   fp.guard_v = !all_finite(v, threads);
@@ -44,7 +44,7 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
   const std::vector<int64_t> items = forward_work_items(p, kernel.block_q);
   const int64_t ws_floats = kernel.workspace_floats(p.E, p.Ev);
   float* const out = result.output.data();
-  float* const lse = want_lse ? result.lse.data() : nullptr;
+  float* const lse = options.need_lse ? result.lse.data() : nullptr;
 
   auto block_of = [&](int64_t item) {
     const int64_t b = item / nqb, i0 = (item % nqb) * kernel.block_q;
@@ -59,6 +59,7 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
     blk.v = v.data() + detail::kv_lead_offset(v, p, b);
     blk.o = out + (b * p.L + i0) * p.Ev;
     blk.lse = lse != nullptr ? lse + b * p.L + i0 : nullptr;
+    blk.stats = stats.empty() ? nullptr : stats.data() + 2 * (b * p.L + i0);
     if (p.mask.defined()) blk.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i0 * fp.mask_row;
     return blk;
   };
@@ -89,12 +90,10 @@ SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, cons
       }
     }
   }
-  // The kernel keeps the LSE in base 2 (the weights pass reads it so); the API's is natural.
+  // The kernel keeps the LSE in base 2; the API's is natural.
   if (options.need_lse) {
     float* const l = result.lse.data();
     for (int64_t r = 0; r < p.batch * p.L; ++r) l[r] *= std::numbers::ln2_v<float>;
-  } else {
-    result.lse = Tensor();
   }
   return result;
 }

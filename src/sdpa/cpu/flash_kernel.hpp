@@ -137,9 +137,22 @@ inline int count_true(vi m) {
 #endif
 }
 
-// Returns c tanh(x / c) and sets t = tanh(x / c) (the backward's 1 - t^2); inv_c = 1 / c.
-inline vf softcap_v(vf x, float c, float inv_c, vf& t) {
-  const vf y = x * inv_c;
+// The constants of softcap_v for a cap c: y = x / c is computed as (x * pre) * inv_c. Under the
+// kernels' flush-to-zero a cap above 2^126 has a denormal 1 / c that would flush to 0 (then an
+// infinite score gives inf * 0 = NaN instead of -c or c), so such caps pre-scale x by 2^-32
+// and keep inv_c = 2^32 / c normal. A finite x that the pre-scale flushes is far below c, where
+// c tanh(x / c) = x, which the small-|y| branch returns.
+struct SoftcapConst {
+  float c, pre, inv_c;
+};
+inline SoftcapConst softcap_const(float c) {
+  const double pre = c > 0x1p100f ? 0x1p-32 : 1.0;
+  return {c, static_cast<float>(pre), static_cast<float>(1.0 / (static_cast<double>(c) * pre))};
+}
+
+// Returns c tanh(x / c) and sets t = tanh(x / c) (the backward's 1 - t^2).
+inline vf softcap_v(vf x, const SoftcapConst& k, vf& t) {
+  const vf y = (x * k.pre) * k.inv_c;
   const vf a = y < 0.0f ? -y : y;
   const vi small = a < 0.5f;
   const int n_small = count_true(small);
@@ -151,11 +164,11 @@ inline vf softcap_v(vf x, float c, float inv_c, vf& t) {
   const vf big = tanh_big(y, a);
   if (n_small == 0) {
     t = big;
-    return big * c;
+    return big * k.c;
   }
   const vf r = tanh_ratio_small(y * y);
   t = small ? y * r : big;
-  return small ? x * r : big * c;
+  return small ? x * r : big * k.c;
 }
 
 inline int64_t workspace_floats(int64_t E, int64_t Ev) {
@@ -212,10 +225,10 @@ inline void scores_block(const float* qt, const float* k, int64_t k_row, int64_t
 inline void modify_block(const FlashParams& p, const FlashBlock& b, int64_t j0, int64_t nk, float* st,
                          float* cap_grad = nullptr) {
   if (p.softcap2 > 0.0f) {
-    const float c = p.softcap2, inv_c = 1.0f / p.softcap2;
+    const SoftcapConst k = softcap_const(p.softcap2);
     for (int64_t x = 0; x < nk * kBQ; x += W) {
       vf t;
-      store(st + x, softcap_v(load(st + x), c, inv_c, t));
+      store(st + x, softcap_v(load(st + x), k, t));
       if (cap_grad != nullptr) store(cap_grad + x, 1.0f - t * t);
     }
   }
@@ -425,15 +438,19 @@ inline void forward_block(const FlashParams& p, const FlashBlock& b, float* ws) 
       b.lse[q] = lq > 0.0f ? mq + __builtin_log2f(lq) : kNegInf;
       if (lq != lq) b.lse[q] = lq;  // NaN propagates
     }
+    if (b.stats != nullptr) {  // a row with no visible key gets max 0, 1/sum 0: weights 0
+      b.stats[2 * q] = lq > 0.0f ? mq : 0.0f;
+      b.stats[2 * q + 1] = lq != lq ? lq : inv;
+    }
   }
 }
 
-// Second pass: attention weights exp(s - lse) for the block's rows, from the saved base-2 LSE
-// (read exactly as the forward pass wrote it, not round-tripped through natural log, whose two
-// roundings cost accuracy for large scores). The scores are recomputed; where a compiler rounds
-// the two passes' tilings differently (clang does not contract every product of both into the
-// same FMAs) a score can exceed lse2 by a few ulps, so s - lse2 is capped at 0: a weight is
-// never above 1 (NaN stays NaN).
+// Second pass: attention weights exp2(s - max) / sum for the block's rows, from the max and
+// 1/sum the forward pass saved, as a softmax computes them. Not exp(s - lse): the LSE's rounding
+// grows with its magnitude (at |lse| ~ 1e30 its ulp dwarfs log(sum), and every weight became 1).
+// The scores are recomputed; where a compiler rounds the two passes' tilings differently (clang
+// does not contract every product of both into the same FMAs) a score can exceed the max by a
+// few ulps, so s - max is capped at 0: a weight is never above 1 (NaN stays NaN).
 inline void weights_block(const FlashParams& p, const FlashBlock& b, float* ws) {
   float* qt = ws;
   float* st = qt + p.E * kBQ;
@@ -442,10 +459,10 @@ inline void weights_block(const FlashParams& p, const FlashBlock& b, float* ws) 
       qt[e * kBQ + q] = q < b.nq ? b.q[q * p.q_row + e] : 0.0f;
     }
   }
-  vf lse2[2];  // LSE in base 2; -inf rows produce weights 0
+  vf mx[2] = {}, inv[2] = {};  // padding lanes (q >= nq) get weights 0, never stored
   for (int64_t q = 0; q < kBQ; ++q) {
-    const float v = q < b.nq ? b.lse[q] : kNegInf;
-    lse2[q / W][q % W] = v == kNegInf ? std::numeric_limits<float>::infinity() : v;
+    mx[q / W][q % W] = q < b.nq ? b.stats[2 * q] : 0.0f;
+    inv[q / W][q % W] = q < b.nq ? b.stats[2 * q + 1] : 0.0f;
   }
   for (int64_t j0 = 0; j0 < p.S; j0 += kBK) {
     const int64_t nk = imin(kBK, p.S - j0);
@@ -454,8 +471,8 @@ inline void weights_block(const FlashParams& p, const FlashBlock& b, float* ws) 
     mask_block(p, b, j0, nk, st);
     for (int64_t jj = 0; jj < nk; ++jj) {
       for (int h = 0; h < 2; ++h) {
-        const vf x = load(st + jj * kBQ + h * W) - lse2[h];
-        store(st + jj * kBQ + h * W, exp2v(x > 0.0f ? splat(0.0f) : x));
+        const vf x = load(st + jj * kBQ + h * W) - mx[h];
+        store(st + jj * kBQ + h * W, exp2v(x > 0.0f ? splat(0.0f) : x) * inv[h]);
       }
     }
     if (p.dropout_p > 0.0f) dropout_block(p, b, j0, nk, st);

@@ -52,6 +52,7 @@ struct FlashBlock {
   float* o;         // first output row of the block
   float* lse;       // base-2 LSE of the block's rows (max + log2(sum)), or nullptr
   float* weights;   // second pass only: (nq, S) rows of the attention weights, row stride S
+  float* stats;     // with weights asked: (nq, 2) base-2 max and 1/sum per row, for their pass
   const float* mask;  // the (i0, 0) element of this head's mask, or nullptr
   int64_t i0, nq;   // first query index and number of queries
   int64_t bh;       // flat batch*head index (dropout counter)

@@ -60,7 +60,7 @@ void matmul_acc(const Tensor& a, const TensorView& b, float* c, bool skip_zeros)
 }  // namespace
 
 SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const SdpaResult& forward, const SdpaOptions& options,
+                        const TensorView& v, const SdpaSaved& forward, const SdpaOptions& options,
                         const detail::SdpaProblem& p) {
   SdpaGrads g{Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
   const bool guard = !all_finite(q) || !all_finite(k) || !all_finite(v);

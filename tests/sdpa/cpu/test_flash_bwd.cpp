@@ -267,6 +267,30 @@ TEST(FlashBackwardLayout, StridedAndUnbatchedInputsMatchContiguous) {
   EXPECT_EQ(g3.grad_query.to_vector(), g4.grad_query.to_vector());
 }
 
+// A framework passes its own saved output and LSE as views (SdpaSaved), in whatever layout it
+// keeps them: the gradients equal those from the forward's SdpaResult, for every dtype.
+TEST(FlashBackwardLayout, SavedViewsOfAnotherLayoutGiveTheSameGradients) {
+  manual_seed(14);
+  for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat64}) {
+    const Tensor q = randn({2, 3, 20, 16}).to(dt), k = randn({2, 3, 24, 16}).to(dt),
+                 v = randn({2, 3, 24, 8}).to(dt), d = randn({2, 3, 20, 8}).to(dt);
+    SdpaOptions o;
+    o.is_causal = true;
+    o.need_lse = true;
+    const SdpaResult f = scaled_dot_product_attention(q, k, v, o);
+    const SdpaGrads want = scaled_dot_product_attention_backward(d, q, k, v, f, o);
+    // The output stored (B, L, H, Ev) and the LSE (L, B, H), viewed back as (B, H, L, ...).
+    const Tensor out_blh = f.output.transpose(1, 2).contiguous();
+    const Tensor lse_lbh = f.lse.transpose(0, 2).transpose(1, 2).contiguous();
+    const SdpaSaved saved(out_blh.transpose(1, 2), lse_lbh.transpose(1, 2).transpose(0, 2));
+    ASSERT_FALSE(saved.output.is_contiguous());
+    const SdpaGrads got = scaled_dot_product_attention_backward(d, q, k, v, saved, o);
+    EXPECT_EQ(got.grad_query.to_double_vector(), want.grad_query.to_double_vector()) << dtype_name(dt);
+    EXPECT_EQ(got.grad_key.to_double_vector(), want.grad_key.to_double_vector()) << dtype_name(dt);
+    EXPECT_EQ(got.grad_value.to_double_vector(), want.grad_value.to_double_vector()) << dtype_name(dt);
+  }
+}
+
 TEST(FlashBackwardDispatch, AutoUsesFusedAndKFusedRejectsTorchDropout) {
   manual_seed(14);
   const Tensor q = randn({2, 20, 8}), k = randn({2, 20, 8}), v = randn({2, 20, 8}), d = randn({2, 20, 8});

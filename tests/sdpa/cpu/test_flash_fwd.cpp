@@ -90,6 +90,27 @@ TEST(FlashForwardWeights, SecondPassEqualsReferenceWeights) {
   }
 }
 
+// Scores near 1e28: the LSE's ulp (~1e21) swallows log(3), so weights taken as exp(s - lse) were
+// all 1; a softmax's exp(s - max) / sum gives 1/3 (the fuzzer found this with softcap 1e30).
+TEST(FlashForwardWeights, HugeScoresStillSumToOne) {
+  Tensor q = Tensor::full({1, 1, 3, 4}, 1e14f), k = Tensor::full({1, 1, 5, 4}, 1e14f);
+  for (int64_t e = 0; e < 4; ++e) k.at({0, 0, 1, e}) = k.at({0, 0, 3, e}) = 0.5e14f;
+  const Tensor v = Tensor::ones({1, 1, 5, 2});
+  for (const std::string& kernel : test::runnable_fused_kernels()) {
+    SdpaOptions o;
+    o.kernel = kernel;
+    o.need_weights = true;
+    if (test::decode_refuses(kernel, q, k, v, o)) continue;
+    const SdpaResult f = scaled_dot_product_attention(q, k, v, o);
+    for (int64_t i = 0; i < 3; ++i) {
+      for (int64_t j = 0; j < 5; ++j) {
+        EXPECT_NEAR(f.attn_weights.at({0, 0, i, j}), j % 2 == 0 ? 1.0 / 3 : 0.0, 1e-6)
+            << "kernel " << kernel << " row " << i << " key " << j;
+      }
+    }
+  }
+}
+
 TEST(FlashForwardWeights, PhiloxDropoutMatchesReferenceWeightsAndOutput) {
   manual_seed(4);
   const Tensor q = randn({1, 2, 33, 16}), k = randn({1, 2, 40, 16}), v = randn({1, 2, 40, 16});

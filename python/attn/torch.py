@@ -1,0 +1,498 @@
+"""attn inside PyTorch: scaled dot-product attention as a torch custom operator.
+
+``scaled_dot_product_attention`` takes CPU torch tensors (float32, bfloat16, float16, float64;
+any strides, read in place through DLPack) and returns torch tensors, with PyTorch's argument
+names and semantics plus attn's variants (window_size, softcap, alibi_slopes, sinks). It is the
+custom operator ``torch.ops.attn.sdpa`` (``torch.library.custom_op``): autograd runs attn's
+fused backward from the saved LSE (never the weights), and a fake implementation lets
+``torch.compile(fullgraph=True)`` trace it. float64 computes in float64 end to end (attn's
+float64 reference), so ``torch.autograd.gradcheck`` applies.
+
+``patch()`` routes ``torch.nn.functional.scaled_dot_product_attention`` to attn for the calls
+attn can take and to PyTorch's own for the others (with one warning per reason).
+
+Dropout: attn's counter-based Philox masks (not PyTorch's), keyed by a seed drawn from torch's
+default generator, so ``torch.manual_seed`` makes runs repeatable; the backward regenerates the
+forward's mask from the same key. Threads: every call runs on ``torch.get_num_threads()``
+threads.
+
+Importing this module imports torch; ``import attn`` alone never does.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _attn
+
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "patch", "is_patched",
+           "call_counts", "reset_call_counts"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_counts = {"sdpa_forward": 0, "sdpa_backward": 0, "varlen_forward": 0, "varlen_backward": 0,
+           "fallback": 0}
+_counts_lock = threading.Lock()
+
+
+def call_counts() -> dict:
+    """How many times each attn kernel entry ran (sdpa_forward, sdpa_backward, varlen_forward,
+    varlen_backward) and how many patched calls fell back to PyTorch (fallback). Counted when
+    the kernels run, so compiled graphs count too."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+def reset_call_counts() -> None:
+    with _counts_lock:
+        for k in _counts:
+            _counts[k] = 0
+
+
+def _count(what: str) -> None:
+    with _counts_lock:
+        _counts[what] += 1
+
+
+def _key(rng: Tensor) -> Tuple[int, int]:
+    """The Philox (seed, offset) from the int64 pair drawn by _draw_rng."""
+    seed, offset = rng.tolist()
+    return seed & 0xFFFFFFFFFFFFFFFF, offset & 0xFFFFFFFFFFFFFFFF
+
+
+def _draw_rng(dropout_p: float) -> Tensor:
+    # Two int64s from torch's default CPU generator (traceable, unlike .item()); no draw, and
+    # so no change to the generator, without dropout.
+    if dropout_p > 0.0:
+        return torch.randint(0, 2**62, (2,), dtype=torch.int64)
+    return _NO_RNG
+
+
+_NO_RNG = torch.zeros(2, dtype=torch.int64)  # never written: saved and read only
+
+
+def _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
+             softcap, alibi_slopes, sinks, rng, kernel) -> tuple:
+    """The options tuple the bindings read (python/src/torch_ops.cpp's make_options)."""
+    seed, offset = _key(rng)
+    return (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
+            softcap, _detach(alibi_slopes), _detach(sinks), seed, offset, kernel,
+            torch.get_num_threads())
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- the operators ----------------------------------------------------------------------------
+# Typed, fixed signatures (a custom op's schema); the keyword conveniences live in the wrappers.
+
+def _sdpa_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+             dropout_p: float, is_causal: bool, bottom_right: bool, scale: Optional[float],
+             enable_gqa: bool, window_left: int, window_right: int, softcap: Optional[float],
+             alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng: Tensor, kernel: str,
+             need_weights: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    out, lse, w = _attn._torch_sdpa_forward(
+        query.detach(), key.detach(), value.detach(), _detach(attn_mask),
+        _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                 window_right, softcap, alibi_slopes, sinks, rng, kernel), need_weights)
+    _count("sdpa_forward")
+    return out, lse, (w if w is not None else query.new_empty(0))
+
+
+_sdpa_op = torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="cpu")(_sdpa_impl)
+
+
+@_sdpa_op.register_fake
+def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale,
+               enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel,
+               need_weights):
+    lead = query.shape[:-1]
+    out = query.new_empty((*lead, value.shape[-1]))
+    lse = query.new_empty(lead, dtype=_lse_dtype(query.dtype))
+    w = query.new_empty((*lead, key.shape[-2])) if need_weights else query.new_empty(0)
+    return out, lse, w
+
+
+def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: Tensor,
+                      output: Tensor, lse: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                      is_causal: bool, bottom_right: bool, scale: Optional[float],
+                      enable_gqa: bool, window_left: int, window_right: int,
+                      softcap: Optional[float], alibi_slopes: Optional[Tensor],
+                      sinks: Optional[Tensor], rng: Tensor,
+                      kernel: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, ds = _attn._torch_sdpa_backward(
+        grad_output.detach(), query.detach(), key.detach(), value.detach(), output.detach(),
+        lse.detach(), _detach(attn_mask),
+        _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                 window_right, softcap, alibi_slopes, sinks, rng, kernel))
+    _count("sdpa_backward")
+    ds = ds.to(sinks.dtype) if ds is not None else query.new_empty(0)
+    return dq, dk, dv, ds
+
+
+_sdpa_backward_op = torch.library.custom_op("attn::sdpa_backward", mutates_args=(),
+                                            device_types="cpu")(_sdpa_backward_impl)
+
+
+@_sdpa_backward_op.register_fake
+def _sdpa_backward_fake(grad_output, query, key, value, output, lse, attn_mask, dropout_p,
+                        is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
+                        softcap, alibi_slopes, sinks, rng, kernel):
+    ds = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), ds
+
+
+def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.detach() if t is not None else None
+
+
+def _sdpa_setup(ctx, inputs, output):
+    (query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale, enable_gqa,
+     window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, _) = inputs
+    out, lse, w = output
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, alibi_slopes, sinks, rng)
+    ctx.options = (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                   window_right, softcap)
+    ctx.kernel = kernel
+    ctx.mark_non_differentiable(lse, w)
+
+
+def _sdpa_grads(ctx, grad_out, backward):
+    query, key, value, out, lse, attn_mask, alibi_slopes, sinks, rng = ctx.saved_tensors
+    (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
+     softcap) = ctx.options
+    dq, dk, dv, ds = backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p,
+                              is_causal, bottom_right, scale, enable_gqa, window_left,
+                              window_right, softcap, alibi_slopes, sinks, rng, ctx.kernel)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
+            ds if sinks is not None else None, None, None, None)
+
+
+def _sdpa_grad(ctx, grad_out, _grad_lse, _grad_w):
+    return _sdpa_grads(ctx, grad_out, _sdpa_backward_op)
+
+
+_sdpa_op.register_autograd(_sdpa_grad, setup_context=_sdpa_setup)
+
+
+class _SdpaEager(torch.autograd.Function):
+    """The op's autograd without the dispatcher, for eager calls on plain tensors: the custom
+    op's Python layers cost ~100 us a call, which a decoding loop (one small call per layer and
+    token) would feel. Same implementation, same saved tensors, same backward."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _sdpa_impl(*args)
+        _sdpa_setup(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse, _grad_w):
+        return _sdpa_grads(ctx, grad_out, _sdpa_backward_impl)
+
+
+def _call_sdpa(args):
+    """The custom op while torch.compile traces or for tensor subclasses (fake, functional
+    tensors...); the same implementation directly otherwise."""
+    query, key, value, sinks = args[0], args[1], args[2], args[13]
+    if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in (query, key, value)):
+        return _sdpa_op(*args)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (query, key, value, sinks)):
+        return _SdpaEager.apply(*args)
+    return _sdpa_impl(*args)
+
+
+@torch.library.custom_op("attn::varlen", mutates_args=(), device_types="cpu")
+def _varlen_op(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
+               max_q: int, max_k: int, dropout_p: float, is_causal: bool, bottom_right: bool,
+               scale: Optional[float], enable_gqa: bool, window_left: int, window_right: int,
+               softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+               rng: Tensor, kernel: str) -> Tuple[Tensor, Tensor]:
+    out, lse = _attn._torch_varlen_forward(
+        query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
+        _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                 window_right, softcap, alibi_slopes, sinks, rng, kernel))
+    _count("varlen_forward")
+    return out, lse
+
+
+@_varlen_op.register_fake
+def _varlen_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal,
+                 bottom_right, scale, enable_gqa, window_left, window_right, softcap,
+                 alibi_slopes, sinks, rng, kernel):
+    out = query.new_empty((query.shape[0], query.shape[1], value.shape[-1]))
+    lse = query.new_empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.custom_op("attn::varlen_backward", mutates_args=(), device_types="cpu")
+def _varlen_backward_op(grad_output: Tensor, query: Tensor, key: Tensor, value: Tensor,
+                        output: Tensor, lse: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
+                        max_q: int, max_k: int, dropout_p: float, is_causal: bool,
+                        bottom_right: bool, scale: Optional[float], enable_gqa: bool,
+                        window_left: int, window_right: int, softcap: Optional[float],
+                        alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng: Tensor,
+                        kernel: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, ds = _attn._torch_varlen_backward(
+        grad_output.detach(), query.detach(), key.detach(), value.detach(), output.detach(),
+        lse.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
+        _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                 window_right, softcap, alibi_slopes, sinks, rng, kernel))
+    _count("varlen_backward")
+    ds = ds.to(sinks.dtype) if ds is not None else query.new_empty(0)
+    return dq, dk, dv, ds
+
+
+@_varlen_backward_op.register_fake
+def _varlen_backward_fake(grad_output, query, key, value, output, lse, cu_seq_q, cu_seq_k, max_q,
+                          max_k, dropout_p, is_causal, bottom_right, scale, enable_gqa,
+                          window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel):
+    ds = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), ds
+
+
+def _varlen_setup(ctx, inputs, output):
+    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, bottom_right,
+     scale, enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks, rng,
+     kernel) = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k, alibi_slopes, sinks,
+                          rng)
+    ctx.options = (max_q, max_k, dropout_p, is_causal, bottom_right, scale, enable_gqa,
+                   window_left, window_right, softcap)
+    ctx.kernel = kernel
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_grad(ctx, grad_out, _grad_lse):
+    query, key, value, out, lse, cu_seq_q, cu_seq_k, alibi_slopes, sinks, rng = ctx.saved_tensors
+    (max_q, max_k, dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+     window_right, softcap) = ctx.options
+    dq, dk, dv, ds = _varlen_backward_op(grad_out, query, key, value, out, lse, cu_seq_q,
+                                         cu_seq_k, max_q, max_k, dropout_p, is_causal,
+                                         bottom_right, scale, enable_gqa, window_left,
+                                         window_right, softcap, alibi_slopes, sinks, rng,
+                                         ctx.kernel)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None,
+            None, ds if sinks is not None else None, None, None)
+
+
+_varlen_op.register_autograd(_varlen_grad, setup_context=_varlen_setup)
+
+
+# ---- the wrappers -----------------------------------------------------------------------------
+
+def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]], mask: Optional[Tensor]) -> None:
+    """The checks PyTorch's dispatcher would make before attn's own (which name shapes and
+    values): torch tensors, on the CPU, of a floating dtype, query/key/value of one dtype."""
+    for name, t in named:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise TypeError(f"{name}: attn.torch runs on CPU tensors, got a tensor on {t.device} "
+                            f"(use torch's own scaled_dot_product_attention there)")
+    for name, t in named[:3]:
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected float32, bfloat16, float16 or float64, got {t.dtype}")
+    q, k, v = (t for _, t in named[:3])
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query, key and value must have one dtype, got query {q.dtype}, "
+                        f"key {k.dtype}, value {v.dtype}")
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(mask).__name__}")
+        if mask.device.type != "cpu":
+            raise TypeError(f"attn_mask: expected a CPU tensor, got a tensor on {mask.device}")
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            raise TypeError(f"attn_mask: expected a bool or floating-point tensor, got {mask.dtype}")
+        if mask.requires_grad:
+            raise RuntimeError("attn_mask: attn computes no gradient for the mask, and this one "
+                               "requires grad; pass attn_mask.detach()")
+
+
+def _window(window_size) -> Tuple[int, int]:
+    try:
+        left, right = window_size
+        return int(left), int(right)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), -1 = unbounded, "
+                        f"got {window_size!r}") from None
+
+
+def _alignment(causal_alignment: str) -> bool:
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got "
+                         f"{causal_alignment!r}")
+    return causal_alignment == "bottom_right"
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False, *, window_size=(-1, -1),
+                                 softcap: Optional[float] = None,
+                                 alibi_slopes: Optional[Tensor] = None,
+                                 sinks: Optional[Tensor] = None,
+                                 causal_alignment: str = "top_left", need_lse: bool = False,
+                                 need_weights: bool = False, kernel: Optional[str] = None):
+    """torch.nn.functional.scaled_dot_product_attention on attn's kernels.
+
+    query (..., L, E), key (..., S, E), value (..., S, Ev) with leading dims (B, H), (H) or
+    none, CPU tensors of one dtype: float32, bfloat16, float16 (computed in float32, rounded
+    once) or float64 (float64 throughout). attn_mask: bool (True = takes part) or floating
+    (added), broadcastable to (..., L, S). Returns the output (..., L, Ev) in the inputs' dtype,
+    differentiable in query, key, value and sinks.
+
+    attn's extras (keyword-only), as in :func:`attn.scaled_dot_product_attention`: window_size
+    (left, right), softcap, alibi_slopes (H) or (B, H), sinks (H) (differentiable),
+    causal_alignment ("top_left", PyTorch's, or "bottom_right", FlashAttention's), kernel (a
+    name from attn.sdpa_kernels()). With need_lse and/or need_weights the result is a tuple
+    (output, lse or None, weights or None): lse (..., L) float32 (float64 for float64 inputs),
+    natural log; weights (..., L, S) in the inputs' dtype; neither is differentiable.
+
+    dropout_p uses attn's Philox masks, seeded from torch's generator (torch.manual_seed makes
+    runs repeatable; the masks differ from PyTorch's). TypeError for non-tensors, GPU tensors,
+    integer or mixed dtypes; ValueError (from attn) naming the argument for shapes and values.
+    """
+    _check_tensors([("query", query), ("key", key), ("value", value),
+                    ("alibi_slopes", alibi_slopes), ("sinks", sinks)], attn_mask)
+    left, right = _window(window_size)
+    bottom_right = _alignment(causal_alignment)
+    out, lse, w = _call_sdpa((query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                              bottom_right, None if scale is None else float(scale),
+                              bool(enable_gqa), left, right,
+                              None if softcap is None else float(softcap), alibi_slopes, sinks,
+                              _draw_rng(dropout_p), kernel or "", bool(need_weights)))
+    if not (need_lse or need_weights):
+        return out
+    return out, (lse if need_lse else None), (w if need_weights else None)
+
+
+def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor,
+                     cu_seq_k: Tensor, max_q: int, max_k: int, *, dropout_p: float = 0.0,
+                     is_causal: bool = False, causal_alignment: str = "top_left",
+                     scale: Optional[float] = None, enable_gqa: bool = False,
+                     window_size=(-1, -1), softcap: Optional[float] = None,
+                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                     need_lse: bool = False, kernel: Optional[str] = None):
+    """Packed variable-length attention on torch tensors (attn.varlen_attn's semantics),
+    differentiable in query, key, value and sinks.
+
+    query (total_q, H, E), key/value (total_k, H_kv, E/Ev); cu_seq_q / cu_seq_k: N + 1
+    cumulative lengths (an integer tensor). Returns the output (total_q, H, Ev), or (output,
+    lse) with need_lse (lse (H, total_q), not differentiable).
+    """
+    _check_tensors([("query", query), ("key", key), ("value", value),
+                    ("alibi_slopes", alibi_slopes), ("sinks", sinks)], None)
+    for name, t in (("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k)):
+        if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer torch.Tensor of cumulative lengths, "
+                            f"got {getattr(t, 'dtype', type(t).__name__)}")
+    left, right = _window(window_size)
+    out, lse = _varlen_op(query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
+                          float(dropout_p), bool(is_causal), _alignment(causal_alignment),
+                          None if scale is None else float(scale), bool(enable_gqa), left, right,
+                          None if softcap is None else float(softcap), alibi_slopes, sinks,
+                          _draw_rng(dropout_p), kernel or "")
+    return (out, lse) if need_lse else out
+
+
+# ---- the drop-in --------------------------------------------------------------------------------
+
+_torch_sdpa = torch.nn.functional.scaled_dot_product_attention
+_patch_lock = threading.Lock()
+_warned: set = set()
+
+
+def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str:
+    """Why attn cannot take this call of F.scaled_dot_product_attention ("" when it can)."""
+    ts = [query, key, value]
+    if not all(isinstance(t, Tensor) for t in ts):
+        return "an argument is not a tensor"
+    if any(t.is_nested for t in ts):
+        return "nested tensors"
+    if any(t.device.type != "cpu" for t in ts):
+        return "tensors not on the CPU"
+    if query.dtype not in _FLOAT_DTYPES or not (query.dtype == key.dtype == value.dtype):
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}"
+    if not (2 <= query.dim() <= 4 and query.dim() == key.dim() == value.dim()):
+        return f"{query.dim()}-D inputs (attn takes 2-D to 4-D)"
+    if query.shape[:-3] != key.shape[:-3] or query.shape[:-3] != value.shape[:-3]:
+        return "broadcast batch dims"
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or attn_mask.device.type != "cpu":
+            return "the mask is not a CPU tensor"
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            return f"a {attn_mask.dtype} mask"
+        if attn_mask.requires_grad:
+            return "a mask that requires grad"
+        if attn_mask.dim() > 4:
+            return "a mask of more than 4 dims"
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        return f"dropout_p={dropout_p!r}"
+    return ""
+
+
+def _fallback(reason: str, *args, **kwargs):
+    _count("fallback")
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"attn.torch.patch: F.scaled_dot_product_attention falls back to PyTorch's "
+                      f"own for {reason} (warned once per reason)", RuntimeWarning, stacklevel=3)
+    return _torch_sdpa(*args, **kwargs)
+
+
+def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    reason = _why_not(*args)
+    if reason:
+        return _fallback(reason, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    try:
+        return scaled_dot_product_attention(*args)
+    except (TypeError, ValueError) as e:  # PyTorch's own then raises if the call is invalid
+        return _fallback(f"a call attn refused ({e})", query, key, value, attn_mask=attn_mask,
+                         dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+
+
+def is_patched() -> bool:
+    """True while F.scaled_dot_product_attention routes to attn."""
+    return torch.nn.functional.scaled_dot_product_attention is _patched_sdpa
+
+
+def _install(enabled: bool) -> None:
+    torch.nn.functional.scaled_dot_product_attention = _patched_sdpa if enabled else _torch_sdpa
+
+
+class patch:
+    """Routes torch.nn.functional.scaled_dot_product_attention to attn for CPU tensors.
+
+    ``attn.torch.patch()`` / ``patch(True)`` turns it on at once, ``patch(False)`` off; used as a
+    context manager (``with attn.torch.patch():``) it restores the previous state on exit.
+    Calls attn cannot take (GPU or nested tensors, integer dtypes, more than 4 dims, a mask that
+    requires grad, ...) go to PyTorch's own, with one RuntimeWarning per reason. Code that bound
+    the function before patching (``from torch.nn.functional import
+    scaled_dot_product_attention``) keeps PyTorch's.
+    """
+
+    def __init__(self, enabled: bool = True):
+        with _patch_lock:
+            self._previous = is_patched()
+            _install(bool(enabled))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with _patch_lock:
+            _install(self._previous)
+        return False

@@ -1,0 +1,193 @@
+// The bindings behind attn.torch (python/attn/torch.py): scaled_dot_product_attention and
+// varlen attention forward and backward on torch tensors, returning torch tensors.
+//
+// In: CPU tensors read in place through DLPack (convert.cpp's sdpa_input: no copy when the
+// strides are non-negative, whatever the layout). Out: tensors that take over the library's
+// storage through DLPack (to_torch), never through NumPy. The backward reads the forward's
+// saved `output` and `lse` in place too (SdpaSaved views).
+//
+// The options come as one tuple in a fixed order (make_options). Dropout is Philox, keyed by
+// (seed, offset) that torch.py draws from torch's generator; nothing here draws from attn's.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+
+#include "attn/attn.hpp"
+#include "attn/varlen.hpp"
+#include "convert.hpp"
+#include "torch_ops.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace attn::py {
+namespace {
+
+// The options' inputs, kept alive while the options view them.
+struct OptionInputs {
+  std::optional<Input> mask, slopes, sinks;
+};
+
+// `o`: the options tuple torch.py builds, (dropout_p, is_causal, bottom_right, scale,
+// enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks, seed, offset, kernel,
+// num_threads), the custom ops' arguments in their schema's order.
+SdpaOptions make_options(OptionInputs& keep, nb::handle attn_mask, const nb::tuple& o) {
+  if (nb::len(o) != 14) throw nb::type_error("attn.torch: the options tuple must have 14 entries");
+  SdpaOptions opt;
+  if (!attn_mask.is_none()) {
+    keep.mask = sdpa_input(attn_mask, "attn_mask", false);
+    opt.attn_mask = keep.mask->kind == Kind::kBool ? AttnMask::boolean(keep.mask->view)
+                                                   : AttnMask::additive(keep.mask->view);
+  }
+  const double dropout_p = nb::cast<double>(o[0]);
+  if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) {
+    throw nb::value_error(("dropout_p must be in [0, 1], got " + std::to_string(dropout_p)).c_str());
+  }
+  opt.dropout_p = static_cast<float>(dropout_p);
+  opt.dropout_rng = DropoutRng::kPhilox;
+  opt.is_causal = nb::cast<bool>(o[1]);
+  opt.causal_alignment = nb::cast<bool>(o[2]) ? CausalAlignment::kBottomRight : CausalAlignment::kTopLeft;
+  opt.scale = nb::cast<std::optional<double>>(o[3]);
+  opt.enable_gqa = nb::cast<bool>(o[4]);
+  opt.window_size = {nb::cast<int64_t>(o[5]), nb::cast<int64_t>(o[6])};
+  opt.softcap = nb::cast<std::optional<double>>(o[7]);
+  keep.slopes = head_param_arg(o[8], "alibi_slopes");
+  keep.sinks = head_param_arg(o[9], "sinks");
+  if (keep.slopes) opt.alibi_slopes = keep.slopes->view;
+  if (keep.sinks) opt.sinks = keep.sinks->view;
+  opt.dropout_seed = nb::cast<uint64_t>(o[10]);
+  opt.dropout_offset = nb::cast<uint64_t>(o[11]);
+  opt.kernel = nb::cast<std::string>(o[12]);
+  const int num_threads = nb::cast<int>(o[13]);
+  if (num_threads < 0) {
+    throw nb::value_error(("num_threads must be >= 0, got " + std::to_string(num_threads)).c_str());
+  }
+  opt.num_threads = num_threads;
+  return opt;
+}
+
+struct Qkv {
+  Input q, k, v;
+};
+Qkv qkv(nb::handle query, nb::handle key, nb::handle value) {
+  Qkv in{sdpa_input(query, "query", false), sdpa_input(key, "key", false),
+         sdpa_input(value, "value", false)};
+  for (const Input* x : {&in.q, &in.k, &in.v}) {
+    if (x->kind == Kind::kBool) {
+      throw nb::type_error("query, key and value must be float32, float64, float16 or bfloat16 "
+                           "tensors, got bool");
+    }
+  }
+  return in;
+}
+
+nb::object maybe_torch(Tensor&& t) { return t.defined() ? to_torch(std::move(t)) : nb::none(); }
+
+// (output, lse, weights or None)
+nb::tuple sdpa_forward(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask,
+                       const nb::tuple& options, bool need_weights) {
+  const Qkv in = qkv(query, key, value);
+  OptionInputs keep;
+  SdpaOptions opt = make_options(keep, attn_mask, options);
+  opt.need_lse = true;  // the backward reads it
+  opt.need_weights = need_weights;
+  SdpaResult r;
+  {
+    nb::gil_scoped_release release;
+    r = scaled_dot_product_attention(in.q.view, in.k.view, in.v.view, opt);
+  }
+  return nb::make_tuple(to_torch(std::move(r.output)), to_torch(std::move(r.lse)),
+                        maybe_torch(std::move(r.attn_weights)));
+}
+
+// (grad_query, grad_key, grad_value, grad_sinks or None)
+nb::tuple sdpa_backward(nb::handle grad_output, nb::handle query, nb::handle key, nb::handle value,
+                        nb::handle output, nb::handle lse, nb::handle attn_mask,
+                        const nb::tuple& options) {
+  const Qkv in = qkv(query, key, value);
+  const Input dout = sdpa_input(grad_output, "grad_output", false);
+  OptionInputs keep;
+  const SdpaOptions opt = make_options(keep, attn_mask, options);
+  const Input saved_out = sdpa_input(output, "output", false), saved_lse = sdpa_input(lse, "lse", false);
+  SdpaGrads g;
+  {
+    nb::gil_scoped_release release;
+    g = scaled_dot_product_attention_backward(dout.view, in.q.view, in.k.view, in.v.view,
+                                              SdpaSaved(saved_out.view, saved_lse.view), opt);
+  }
+  return nb::make_tuple(to_torch(std::move(g.grad_query)), to_torch(std::move(g.grad_key)),
+                        to_torch(std::move(g.grad_value)), maybe_torch(std::move(g.grad_sinks)));
+}
+
+// (output, lse)
+nb::tuple varlen_forward(nb::handle query, nb::handle key, nb::handle value, nb::handle cu_seq_q,
+                         nb::handle cu_seq_k, int64_t max_q, int64_t max_k,
+                         const nb::tuple& options) {
+  const Qkv in = qkv(query, key, value);
+  const Tensor cq = cu_seq_input(cu_seq_q, "cu_seq_q"), ck = cu_seq_input(cu_seq_k, "cu_seq_k");
+  OptionInputs keep;
+  SdpaOptions opt = make_options(keep, nb::none(), options);
+  opt.need_lse = true;
+  SdpaResult r;
+  {
+    nb::gil_scoped_release release;
+    r = varlen_attn(in.q.view, in.k.view, in.v.view, cq, ck, max_q, max_k, opt);
+  }
+  return nb::make_tuple(to_torch(std::move(r.output)), to_torch(std::move(r.lse)));
+}
+
+nb::tuple varlen_backward(nb::handle grad_output, nb::handle query, nb::handle key,
+                          nb::handle value, nb::handle output, nb::handle lse,
+                          nb::handle cu_seq_q, nb::handle cu_seq_k, int64_t max_q, int64_t max_k,
+                          const nb::tuple& options) {
+  const Qkv in = qkv(query, key, value);
+  const Input dout = sdpa_input(grad_output, "grad_output", false);
+  const Tensor cq = cu_seq_input(cu_seq_q, "cu_seq_q"), ck = cu_seq_input(cu_seq_k, "cu_seq_k");
+  OptionInputs keep;
+  const SdpaOptions opt = make_options(keep, nb::none(), options);
+  const Input saved_out = sdpa_input(output, "output", false), saved_lse = sdpa_input(lse, "lse", false);
+  SdpaGrads g;
+  {
+    nb::gil_scoped_release release;
+    g = varlen_attn_backward(dout.view, in.q.view, in.k.view, in.v.view, cq, ck, max_q, max_k,
+                             SdpaSaved(saved_out.view, saved_lse.view), opt);
+  }
+  return nb::make_tuple(to_torch(std::move(g.grad_query)), to_torch(std::move(g.grad_key)),
+                        to_torch(std::move(g.grad_value)), maybe_torch(std::move(g.grad_sinks)));
+}
+
+// For the zero-copy test: each argument's address as the kernels would read it (sdpa_input),
+// and whether it had to be copied to get there.
+nb::list input_addresses(nb::args tensors) {
+  nb::list out;
+  for (nb::handle t : tensors) {
+    const Input in = sdpa_input(t, "tensor", false);
+    out.append(nb::make_tuple(reinterpret_cast<uintptr_t>(in.view.raw_data()), in.copy.defined()));
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_torch_ops(nb::module_& m) {
+  m.def("_input_addresses", &input_addresses,
+        "(address the kernels read, copied?) for each tensor argument: the zero-copy test's probe.");
+  m.def("_torch_sdpa_forward", &sdpa_forward, "query"_a, "key"_a, "value"_a, "attn_mask"_a.none(),
+        "options"_a, "need_weights"_a,
+        "attn.torch's forward: (output, lse, weights or None) as torch tensors.");
+  m.def("_torch_sdpa_backward", &sdpa_backward, "grad_output"_a, "query"_a, "key"_a, "value"_a,
+        "output"_a, "lse"_a, "attn_mask"_a.none(), "options"_a,
+        "attn.torch's backward: (grad_query, grad_key, grad_value, grad_sinks or None).");
+  m.def("_torch_varlen_forward", &varlen_forward, "query"_a, "key"_a, "value"_a, "cu_seq_q"_a,
+        "cu_seq_k"_a, "max_q"_a, "max_k"_a, "options"_a,
+        "attn.torch's varlen forward: (output, lse) as torch tensors.");
+  m.def("_torch_varlen_backward", &varlen_backward, "grad_output"_a, "query"_a, "key"_a,
+        "value"_a, "output"_a, "lse"_a, "cu_seq_q"_a, "cu_seq_k"_a, "max_q"_a, "max_k"_a,
+        "options"_a,
+        "attn.torch's varlen backward: (grad_query, grad_key, grad_value, grad_sinks or None).");
+}
+
+}  // namespace attn::py

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""attn inside PyTorch (issue 16): a Hugging Face GPT-2-small-shaped model with and without
+attn.torch.patch(), writing the "Inside PyTorch" section of docs/PERFORMANCE.md.
+
+The model: GPT2LMHeadModel from a config (12 layers, 12 heads, n_embd 768, n_positions raised
+to 2048, dropout 0, attn_implementation="sdpa"), random weights, batch 1, in float32 and
+bfloat16. For each T in {512, 2048} and each pass (forward under no_grad; forward + backward of
+the LM loss), the calls with PyTorch's own SDPA and with attn's are interleaved for --reps
+rounds, and each figure is the median of its rounds:
+
+- end to end: the wall time of the whole call;
+- attention: from one extra profiled round (torch.profiler, CPU), the total time of the
+  attention ops: PyTorch's aten::_scaled_dot_product_flash_attention_for_cpu (+ _backward), or
+  the math path's ops if that ran, against attn::sdpa (+ attn::sdpa_backward).
+
+Run it alone on the machine (two cores: anything else running skews every ratio):
+
+    .cache/bench-venv/bin/python scripts/bench_torch.py            # -> docs/PERFORMANCE.md
+    .cache/bench-venv/bin/python scripts/bench_torch.py --quick    # T=128, 2 layers, stdout only
+
+Needs torch >= 2.4 and transformers in that venv (pip install torch transformers) and attn
+installed there (pip install .).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import attn.torch as at
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- torch:begin -->", "<!-- torch:end -->"
+TORCH_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+             "aten::_scaled_dot_product_attention_math")
+ATTN_OPS = ("attn::sdpa", "attn::sdpa_backward")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def make_model(dtype, layers):
+    config = transformers.GPT2Config(n_positions=2048, n_embd=768, n_layer=layers, n_head=12,
+                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(dtype)
+
+
+def step(model, ids, backward):
+    if backward:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+    else:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+
+def attention_ms(model, ids, backward, patched) -> float:
+    with at.patch(patched):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step(model, ids, backward)
+    names = ATTN_OPS if patched else TORCH_OPS
+    total_us = sum(e.cpu_time_total for e in prof.key_averages() if e.key in names)
+    return total_us / 1e3
+
+
+def measure(model, ids, backward, reps):
+    times = {False: [], True: []}
+    step(model, ids, backward)  # warm up both paths
+    with at.patch():
+        step(model, ids, backward)
+    for _ in range(reps):
+        for patched in (False, True):
+            with at.patch(patched):
+                t0 = time.perf_counter()
+                step(model, ids, backward)
+                times[patched].append(time.perf_counter() - t0)
+    e2e = {p: statistics.median(v) * 1e3 for p, v in times.items()}
+    attn_t = {p: attention_ms(model, ids, backward, p) for p in (False, True)}
+    return e2e, attn_t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    seqs, layers = ([128], 2) if args.quick else ([512, 2048], 12)
+
+    lines = [f"CPU: {cpu_model()}, {args.threads} threads; torch {torch.__version__}, "
+             f"transformers {transformers.__version__}; GPT-2 small shape ({layers} layers, "
+             f"12 heads, n_embd 768), batch 1, causal; median of {args.reps} interleaved rounds.",
+             "",
+             "| dtype | T | pass | attention: torch ms | attention: attn ms | attention speed-up "
+             "| end to end: torch ms | end to end: attn ms | end-to-end speed-up |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model(dtype, layers)
+        for T in seqs:
+            ids = torch.randint(0, model.config.vocab_size, (1, T),
+                                generator=torch.Generator().manual_seed(T))
+            for backward in (False, True):
+                e2e, att = measure(model, ids, backward, args.reps)
+                row = (f"| {str(dtype).split('.')[-1]} | {T} | {'fwd+bwd' if backward else 'fwd'} "
+                       f"| {att[False]:.1f} | {att[True]:.1f} | {att[False] / att[True]:.2f}x "
+                       f"| {e2e[False]:.0f} | {e2e[True]:.0f} | {e2e[False] / e2e[True]:.2f}x |")
+                print(row, flush=True)
+                lines.append(row)
+    section = "\n".join([BEGIN, "## Inside PyTorch (issue 16)", "",
+                         "Generated by `scripts/bench_torch.py` (see its docstring); targets at "
+                         "T=2048, fwd+bwd: attention >= 1.3x (float32) and >= 2x (bfloat16), end "
+                         "to end >= 1.1x and >= 1.3x.", "", *lines, END])
+    if args.quick:
+        print(section)
+        return 0
+    doc = ROOT / "docs" / "PERFORMANCE.md"
+    text = doc.read_text()
+    if BEGIN in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    doc.write_text(text)
+    print(f"wrote {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""attn.torch.scaled_dot_product_attention: the custom op against PyTorch's own SDPA and a
+float64 truth, forward and backward, in float32, bfloat16 and float16; gradcheck in float64;
+torch.compile; zero-copy; threads; dropout; bad input.
+
+Accuracy rule (FlashAttention's): attn's max error against the float64 truth is at most twice
+PyTorch's own (same dtype, same inputs) plus a small floor."""
+import math
+import threading
+
+import pytest
+
+from torch_ops_common import reference, require
+
+torch = require("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import attn.torch as at  # noqa: E402
+
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+# (B, H, H_kv, L, S, E, Ev, mask, is_causal)
+CASES = [
+    (1, 1, 1, 1, 1, 8, 8, None, False),
+    (2, 3, 3, 17, 23, 16, 16, None, False),
+    (2, 4, 4, 33, 33, 64, 64, None, True),
+    (1, 2, 2, 40, 70, 32, 24, "bool", False),
+    (2, 2, 2, 9, 130, 80, 80, "float", False),
+    (1, 8, 2, 65, 65, 64, 64, None, True),   # GQA
+    (2, 1, 1, 128, 128, 128, 128, "bool", False),
+    (1, 3, 3, 50, 20, 8, 5, None, True),
+]
+
+
+def make(case, dtype, seed=0):
+    B, H, Hkv, L, S, E, Ev, mask_kind, causal = case
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g)
+    k = torch.randn(B, Hkv, S, E, generator=g)
+    v = torch.randn(B, Hkv, S, Ev, generator=g)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, L, S, generator=g) > 0.3
+        mask[..., 0] = True  # no row fully masked (PyTorch's math path gives NaN there)
+    elif mask_kind == "float":
+        mask = torch.randn(B, 1, L, S, generator=g).to(dtype)
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    return q, k, v, mask, dict(is_causal=causal, enable_gqa=H != Hkv)
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + f"-{c[7]}-{c[8]}")
+def test_forward_and_backward_within_twice_torchs_error(case, dtype):
+    q, k, v, mask, kw = make(case, dtype)
+    g = torch.randn(*q.shape[:-1], v.shape[-1]).to(dtype)
+    out = at.scaled_dot_product_attention(q, k, v, mask, **kw)
+    ref = F.scaled_dot_product_attention(q, k, v, mask, **kw)
+    truth = reference(q, k, v, mask, **kw)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert max_err(out, truth) <= 2 * max_err(ref, truth) + FLOOR[dtype]
+
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    true_grads = torch.autograd.grad(truth, (q, k, v), g.double())
+    for name, a, r, t in zip("qkv", grads, ref_grads, true_grads):
+        assert a.dtype == dtype and a.shape == r.shape
+        scale = max(1.0, t.abs().max().item())
+        assert max_err(a, t) <= 2 * max_err(r, t) + FLOOR[dtype] * scale, f"grad {name}"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(is_causal=True),
+    dict(window_size=(3, 1)),
+    dict(softcap=2.0),
+    dict(is_causal=True, causal_alignment="bottom_right", window_size=(4, 0)),
+    dict(enable_gqa=True),
+], ids=lambda kw: ",".join(kw))
+def test_gradcheck_in_float64(kw):
+    gen = torch.Generator().manual_seed(1)
+    hkv = 1 if kw.get("enable_gqa") else 2
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(1, hkv, 7, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(1, hkv, 7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: at.scaled_dot_product_attention(a, b, c, **kw),
+                                    (q, k, v))
+
+
+def test_float64_is_computed_in_float64():
+    q, k, v, mask, kw = make(CASES[3], torch.float64)
+    out = at.scaled_dot_product_attention(q, k, v, mask, **kw)
+    assert out.dtype == torch.float64
+    assert max_err(out, reference(q, k, v, mask, **kw)) < 1e-12
+
+
+def test_variants_match_the_float64_formulas_with_gradients():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 20, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, 3, 24, 16, generator=gen, requires_grad=True)
+    v = torch.randn(2, 3, 24, 8, generator=gen, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25, 0.125])
+    sinks = torch.tensor([0.3, -1.0, 2.0], requires_grad=True)
+    kw = dict(is_causal=True, window_size=(6, 0), softcap=3.0, alibi_slopes=slopes, sinks=sinks)
+    out = at.scaled_dot_product_attention(q, k, v, **kw)
+    truth = reference(q, k, v, **kw)
+    assert max_err(out, truth) < 2e-5
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sinks), g)
+    want = torch.autograd.grad(truth, (q, k, v, sinks), g.double())
+    for name, a, t in zip(("q", "k", "v", "sinks"), got, want):
+        assert a.dtype == torch.float32
+        assert max_err(a, t) < 1e-4 * max(1.0, t.abs().max().item()), name
+
+
+def test_lse_and_weights_from_the_fast_path():
+    q, k, v, mask, kw = make(CASES[3], torch.float32)
+    out, lse, w = at.scaled_dot_product_attention(q, k, v, mask, need_lse=True, need_weights=True, **kw)
+    scores = (q @ k.transpose(-2, -1)).double() / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    assert max_err(lse, torch.logsumexp(scores, -1)) < 1e-5
+    assert max_err(w, torch.softmax(scores, -1)) < 1e-6
+    assert not lse.requires_grad and not w.requires_grad and out.requires_grad
+    only_lse = at.scaled_dot_product_attention(q, k, v, mask, need_lse=True, **kw)
+    assert only_lse[2] is None and torch.equal(only_lse[1], lse)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    q, k, v, mask, kw = make(CASES[2], torch.float32)
+
+    def f(a, b, c):
+        return at.scaled_dot_product_attention(a, b, c, is_causal=True).sum(-1) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    at.reset_call_counts()
+    out = compiled(q, k, v)
+    assert torch.equal(out, f(q, k, v))
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    want = torch.autograd.grad(f(q, k, v).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    counts = at.call_counts()
+    assert counts["sdpa_forward"] >= 2 and counts["sdpa_backward"] >= 2
+
+
+def test_opcheck_passes():
+    q, k, v, _, _ = make(CASES[1], torch.float32)
+    args = (q, k, v, None, 0.0, False, False, None, False, -1, -1, None, None, None,
+            torch.zeros(2, dtype=torch.int64), "", False)
+    torch.library.opcheck(torch.ops.attn.sdpa.default, args)
+
+
+def test_contiguous_and_strided_inputs_are_read_in_place():
+    x = torch.randn(2, 3, 10, 16)
+    strided = torch.randn(2, 10, 3, 16).transpose(1, 2)  # (B, L, H, E) memory, the HF layout
+    half = torch.randn(2, 3, 10, 16).bfloat16()
+    for t in (x, strided, half):
+        (addr, copied), = at._attn._input_addresses(t)
+        assert addr == t.data_ptr() and not copied
+
+
+def test_results_are_torch_tensors_owning_attns_memory():
+    q, k, v, _, _ = make(CASES[1], torch.bfloat16)
+    out = at.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert out.data_ptr() % 64 == 0  # attn's 64-byte aligned storage, handed over via DLPack
+
+
+def test_dropout_is_repeatable_under_torch_manual_seed_and_backward_uses_the_same_mask():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def f(a, b, c):
+        torch.manual_seed(7)
+        return at.scaled_dot_product_attention(a, b, c, dropout_p=0.3)
+
+    assert torch.equal(f(q, k, v), f(q, k, v))
+    torch.manual_seed(8)
+    other = at.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    assert not torch.equal(f(q, k, v), other)
+    # The weights (with the dropout mask applied) times V is the output; gradcheck's repeated
+    # calls see the same mask, so the backward regenerates the forward's.
+    torch.manual_seed(7)
+    out, _, w = at.scaled_dot_product_attention(q, k, v, dropout_p=0.3, need_weights=True)
+    assert (w == 0).any()
+    assert max_err(out, w @ v) < 1e-12
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_threads_follow_torch_and_give_the_same_bits():
+    q, k, v, mask, kw = make(CASES[6], torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = at.scaled_dot_product_attention(q, k, v, mask, **kw)
+        torch.set_num_threads(2)
+        two = at.scaled_dot_product_attention(q, k, v, mask, **kw)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_concurrent_calls_from_python_threads():
+    q, k, v, mask, kw = make(CASES[4], torch.float32)
+    want = at.scaled_dot_product_attention(q, k, v, mask, **kw)
+    results, errors = [], []
+
+    def run():
+        try:
+            for _ in range(5):
+                results.append(at.scaled_dot_product_attention(q, k, v, mask, **kw))
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 15
+    assert all(torch.equal(r, want) for r in results)
+
+
+def test_bad_input_raises_a_clear_error_naming_the_argument():
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 5, 8)
+    v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(TypeError, match="key: .*cpu|key: .*meta"):
+        at.scaled_dot_product_attention(q, k.to("meta"), v)
+    with pytest.raises(TypeError, match="query, key and value must have one dtype"):
+        at.scaled_dot_product_attention(q, k.double(), v)
+    with pytest.raises(TypeError, match="query: expected float32"):
+        at.scaled_dot_product_attention(q.int(), k.int(), v.int())
+    with pytest.raises(ValueError, match="attn_mask"):
+        at.scaled_dot_product_attention(q, k, v, torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask: expected a bool or floating"):
+        at.scaled_dot_product_attention(q, k, v, torch.ones(4, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="dropout_p"):
+        at.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+    with pytest.raises(ValueError, match="causal_alignment"):
+        at.scaled_dot_product_attention(q, k, v, causal_alignment="middle")
+    with pytest.raises(RuntimeError, match="attn_mask: .*requires grad"):
+        at.scaled_dot_product_attention(q, k, v, torch.zeros(4, 5, requires_grad=True))
+    with pytest.raises(ValueError, match="softcap"):
+        at.scaled_dot_product_attention(q, k, v, softcap=-1.0)
+
+
+def test_one_openmp_runtime_serves_attn_and_torch():
+    # The torch wheel bundles its own libgomp.so.1; attn's extension asks for the same soname,
+    # so the loader gives both one runtime and one thread pool, whichever is imported first:
+    # no second pool of torch.get_num_threads() threads competing for the cores.
+    q, k, v, mask, kw = make(CASES[2], torch.float32)
+    at.scaled_dot_product_attention(q, k, v, mask, **kw)
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps
+                    if "libgomp" in line or "libiomp" in line or "libomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_eager_path_equals_the_custom_op_forward_and_backward():
+    # Eager calls skip the dispatcher (attn.torch._SdpaEager); compiled ones go through
+    # torch.ops.attn.sdpa: same results and gradients, bit for bit.
+    q, k, v, mask, kw = make(CASES[3], torch.float32)
+    sinks = torch.tensor([0.5, -0.5], requires_grad=True)
+    out = at.scaled_dot_product_attention(q, k, v, mask, sinks=sinks, **kw)
+    args = (q, k, v, mask, 0.0, False, False, None, False, -1, -1, None, None, sinks,
+            torch.zeros(2, dtype=torch.int64), "", False)
+    op_out = torch.ops.attn.sdpa(*args)[0]
+    assert torch.equal(out, op_out)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sinks), g)
+    want = torch.autograd.grad(op_out, (q, k, v, sinks), g)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(at.scaled_dot_product_attention(q, k, v, mask, sinks=sinks, **kw), out)
