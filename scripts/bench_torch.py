@@ -11,11 +11,11 @@ rounds, and each figure is the median of its rounds:
 - end to end: the wall time of the whole call;
 - attention: from one extra profiled round (torch.profiler, CPU), the total time of the
   attention ops: PyTorch's aten::_scaled_dot_product_flash_attention_for_cpu (+ _backward), or
-  the math path's ops if that ran, against attn::sdpa (+ attn::sdpa_backward).
+  the math path's ops if that ran, against attn.sdpa_forward (+ attn.sdpa_backward).
 
 Run it alone on the machine (two cores: anything else running skews every ratio):
 
-    .cache/bench-venv/bin/python scripts/bench_torch.py            # -> docs/PERFORMANCE.md
+    .cache/bench-venv/bin/python scripts/bench_torch.py            # -> docs/PERFORMANCE.md (~7 min)
     .cache/bench-venv/bin/python scripts/bench_torch.py --quick    # T=128, 2 layers, stdout only
 
 Needs torch >= 2.4 and transformers in that venv (pip install torch transformers) and attn
@@ -39,7 +39,7 @@ BEGIN, END = "<!-- torch:begin -->", "<!-- torch:end -->"
 TORCH_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
              "aten::_scaled_dot_product_attention_math")
-ATTN_OPS = ("attn::sdpa", "attn::sdpa_backward")
+ATTN_OPS = ("attn.sdpa_forward", "attn.sdpa_backward")  # attn.torch's record_function names
 
 
 def cpu_model() -> str:

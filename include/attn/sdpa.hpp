@@ -167,8 +167,10 @@ SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorVie
                                         const TensorView& value, const SdpaOptions& options = {});
 
 // What a backward reads of its forward: views of the output, the LSE and (kTorch dropout only)
-// the weights. Made implicitly from the forward's SdpaResult; a framework that keeps its own
-// tensors (attn.torch's saved output and LSE) passes views of them instead, with no copy.
+// the weights, in any layout. Made implicitly from the forward's SdpaResult; a framework that
+// keeps its own tensors (attn.torch's saved output and LSE) passes views of them instead, with
+// no copy. Views: whatever they view must outlive the backward call (never bind one to a
+// temporary SdpaResult, e.g. `SdpaSaved s = scaled_dot_product_attention(...)` dangles).
 struct SdpaSaved {
   TensorView output, lse, attn_weights;
   SdpaSaved() = default;

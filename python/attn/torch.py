@@ -83,6 +83,13 @@ def _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
             torch.get_num_threads())
 
 
+def _grad_fakes(query, key, value, sinks):
+    # Contiguous, like the real gradients (to_torch hands over attn's row-major tensors),
+    # whatever the inputs' strides: a compiler lays out what follows from these.
+    ds = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(0)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), ds
+
+
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -95,10 +102,11 @@ def _sdpa_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Te
              enable_gqa: bool, window_left: int, window_right: int, softcap: Optional[float],
              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng: Tensor, kernel: str,
              need_weights: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    out, lse, w = _attn._torch_sdpa_forward(
-        query.detach(), key.detach(), value.detach(), _detach(attn_mask),
-        _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
-                 window_right, softcap, alibi_slopes, sinks, rng, kernel), need_weights)
+    with torch.profiler.record_function("attn.sdpa_forward"):  # named on every path, eager included
+        out, lse, w = _attn._torch_sdpa_forward(
+            query.detach(), key.detach(), value.detach(), _detach(attn_mask),
+            _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                     window_right, softcap, alibi_slopes, sinks, rng, kernel), need_weights)
     _count("sdpa_forward")
     return out, lse, (w if w is not None else query.new_empty(0))
 
@@ -124,11 +132,12 @@ def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: 
                       softcap: Optional[float], alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], rng: Tensor,
                       kernel: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, ds = _attn._torch_sdpa_backward(
-        grad_output.detach(), query.detach(), key.detach(), value.detach(), output.detach(),
-        lse.detach(), _detach(attn_mask),
-        _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
-                 window_right, softcap, alibi_slopes, sinks, rng, kernel))
+    with torch.profiler.record_function("attn.sdpa_backward"):
+        dq, dk, dv, ds = _attn._torch_sdpa_backward(
+            grad_output.detach(), query.detach(), key.detach(), value.detach(), output.detach(),
+            lse.detach(), _detach(attn_mask),
+            _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                     window_right, softcap, alibi_slopes, sinks, rng, kernel))
     _count("sdpa_backward")
     ds = ds.to(sinks.dtype) if ds is not None else query.new_empty(0)
     return dq, dk, dv, ds
@@ -142,8 +151,7 @@ _sdpa_backward_op = torch.library.custom_op("attn::sdpa_backward", mutates_args=
 def _sdpa_backward_fake(grad_output, query, key, value, output, lse, attn_mask, dropout_p,
                         is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
                         softcap, alibi_slopes, sinks, rng, kernel):
-    ds = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), ds
+    return _grad_fakes(query, key, value, sinks)
 
 
 def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -191,6 +199,7 @@ class _SdpaEager(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse, _grad_w):
         return _sdpa_grads(ctx, grad_out, _sdpa_backward_impl)
 
@@ -252,8 +261,7 @@ def _varlen_backward_op(grad_output: Tensor, query: Tensor, key: Tensor, value: 
 def _varlen_backward_fake(grad_output, query, key, value, output, lse, cu_seq_q, cu_seq_k, max_q,
                           max_k, dropout_p, is_causal, bottom_right, scale, enable_gqa,
                           window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel):
-    ds = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), ds
+    return _grad_fakes(query, key, value, sinks)
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -317,6 +325,20 @@ def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]], mask: Optional
                                "requires grad; pass attn_mask.detach()")
 
 
+def _head_params(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]):
+    """attn takes slopes and sinks in float32: 16-bit ones are widened here (differentiably, so
+    a bfloat16 model's sinks get a bfloat16 gradient); ALiBi slopes get no gradient."""
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise RuntimeError("alibi_slopes: attn computes no gradient for ALiBi slopes, and these "
+                           "require grad; pass alibi_slopes.detach()")
+    widen = (torch.bfloat16, torch.float16)
+    if alibi_slopes is not None and alibi_slopes.dtype in widen:
+        alibi_slopes = alibi_slopes.float()
+    if sinks is not None and sinks.dtype in widen:
+        sinks = sinks.float()
+    return alibi_slopes, sinks
+
+
 def _window(window_size) -> Tuple[int, int]:
     try:
         left, right = window_size
@@ -363,6 +385,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     """
     _check_tensors([("query", query), ("key", key), ("value", value),
                     ("alibi_slopes", alibi_slopes), ("sinks", sinks)], attn_mask)
+    alibi_slopes, sinks = _head_params(alibi_slopes, sinks)
     left, right = _window(window_size)
     bottom_right = _alignment(causal_alignment)
     out, lse, w = _call_sdpa((query, key, value, attn_mask, float(dropout_p), bool(is_causal),
@@ -395,6 +418,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor
         if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer torch.Tensor of cumulative lengths, "
                             f"got {getattr(t, 'dtype', type(t).__name__)}")
+    alibi_slopes, sinks = _head_params(alibi_slopes, sinks)
     left, right = _window(window_size)
     out, lse = _varlen_op(query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
                           float(dropout_p), bool(is_causal), _alignment(causal_alignment),
@@ -440,13 +464,20 @@ def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     return ""
 
 
-def _fallback(reason: str, *args, **kwargs):
+def _fallback(reason: str, detail: str, query, key, value, attn_mask, dropout_p, is_causal, scale,
+              enable_gqa):
     _count("fallback")
-    if reason not in _warned:
+    with _patch_lock:
+        first = reason not in _warned
         _warned.add(reason)
+    if first:
         warnings.warn(f"attn.torch.patch: F.scaled_dot_product_attention falls back to PyTorch's "
-                      f"own for {reason} (warned once per reason)", RuntimeWarning, stacklevel=3)
-    return _torch_sdpa(*args, **kwargs)
+                      f"own for {reason}{detail} (warned once per reason)", RuntimeWarning,
+                      stacklevel=3)
+    kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    if enable_gqa:  # torch < 2.5 has no enable_gqa argument
+        kwargs["enable_gqa"] = enable_gqa
+    return _torch_sdpa(query, key, value, **kwargs)
 
 
 def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -454,14 +485,11 @@ def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     reason = _why_not(*args)
     if reason:
-        return _fallback(reason, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return _fallback(reason, "", *args)
     try:
         return scaled_dot_product_attention(*args)
     except (TypeError, ValueError) as e:  # PyTorch's own then raises if the call is invalid
-        return _fallback(f"a call attn refused ({e})", query, key, value, attn_mask=attn_mask,
-                         dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                         enable_gqa=enable_gqa)
+        return _fallback(f"a call attn refused ({type(e).__name__})", f": {e}", *args)
 
 
 def is_patched() -> bool:
@@ -469,8 +497,8 @@ def is_patched() -> bool:
     return torch.nn.functional.scaled_dot_product_attention is _patched_sdpa
 
 
-def _install(enabled: bool) -> None:
-    torch.nn.functional.scaled_dot_product_attention = _patched_sdpa if enabled else _torch_sdpa
+def _install(fn) -> None:
+    torch.nn.functional.scaled_dot_product_attention = fn
 
 
 class patch:
@@ -481,18 +509,20 @@ class patch:
     Calls attn cannot take (GPU or nested tensors, integer dtypes, more than 4 dims, a mask that
     requires grad, ...) go to PyTorch's own, with one RuntimeWarning per reason. Code that bound
     the function before patching (``from torch.nn.functional import
-    scaled_dot_product_attention``) keeps PyTorch's.
+    scaled_dot_product_attention``) keeps PyTorch's. The patch is process-wide (it sets a
+    module attribute), not per thread. Under torch.compile a call attn refuses only at run time
+    (a shape or value its own checks reject) raises instead of falling back.
     """
 
     def __init__(self, enabled: bool = True):
         with _patch_lock:
-            self._previous = is_patched()
-            _install(bool(enabled))
+            self._previous = torch.nn.functional.scaled_dot_product_attention
+            _install(_patched_sdpa if enabled else _torch_sdpa)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         with _patch_lock:
-            _install(self._previous)
+            _install(self._previous)  # whatever was there before, another wrapper included
         return False

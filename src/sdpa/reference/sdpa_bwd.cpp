@@ -66,6 +66,12 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
   const bool guard = !all_finite(q) || !all_finite(k) || !all_finite(v);
   const bool philox = p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kPhilox;
   const bool torch_drop = p.dropout_p > 0.0f && !philox;
+  // The saved weights (SdpaSaved views may be strided) read row by row below: made row-major.
+  Tensor weights_copy;
+  const float* const weights = !torch_drop ? nullptr
+                               : forward.attn_weights.is_contiguous()
+                                   ? forward.attn_weights.data()
+                                   : (weights_copy = forward.attn_weights.contiguous()).data();
   const float inv_keep = p.dropout_p < 1.0f ? 1.0f / (1.0f - p.dropout_p) : 0.0f;
   std::vector<uint8_t> keep(static_cast<size_t>(p.S), 1);
   std::vector<float> cap_grad(static_cast<size_t>(p.S));
@@ -90,7 +96,7 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
       if (philox) {
         philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, i, p.dropout_p, keep);
       } else if (torch_drop) {
-        const float* w = forward.attn_weights.data() + (b * p.L + i) * p.S;
+        const float* w = weights + (b * p.L + i) * p.S;
         for (int64_t j = 0; j < p.S; ++j) keep[static_cast<size_t>(j)] = w[j] != 0.0f;
       }
       float* dprow = dp.data() + i * p.S;

@@ -203,3 +203,19 @@ def test_patch_true_and_false_switch_it_globally():
     finally:
         at.patch(False)
     assert not at.is_patched() and F.scaled_dot_product_attention is at._torch_sdpa
+
+
+def test_patch_restores_whatever_was_installed_before_it():
+    def other_wrapper(*args, **kwargs):
+        return at._torch_sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = other_wrapper
+    try:
+        with at.patch():
+            assert at.is_patched()
+            with at.patch(False):
+                assert F.scaled_dot_product_attention is at._torch_sdpa
+            assert at.is_patched()
+        assert F.scaled_dot_product_attention is other_wrapper
+    finally:
+        F.scaled_dot_product_attention = at._torch_sdpa

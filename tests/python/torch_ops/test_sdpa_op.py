@@ -1,9 +1,9 @@
-"""attn.torch.scaled_dot_product_attention: the custom op against PyTorch's own SDPA and a
+"""attn.torch.scaled_dot_product_attention: the custom op against PyTorch's math SDPA and a
 float64 truth, forward and backward, in float32, bfloat16 and float16; gradcheck in float64;
 torch.compile; zero-copy; threads; dropout; bad input.
 
 Accuracy rule (FlashAttention's): attn's max error against the float64 truth is at most twice
-PyTorch's own (same dtype, same inputs) plus a small floor."""
+PyTorch's math path's (same dtype, same inputs) plus a small floor."""
 import math
 import threading
 
@@ -13,6 +13,7 @@ from torch_ops_common import reference, require
 
 torch = require("torch")
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import attn.torch as at  # noqa: E402
 
@@ -57,7 +58,8 @@ def test_forward_and_backward_within_twice_torchs_error(case, dtype):
     q, k, v, mask, kw = make(case, dtype)
     g = torch.randn(*q.shape[:-1], v.shape[-1]).to(dtype)
     out = at.scaled_dot_product_attention(q, k, v, mask, **kw)
-    ref = F.scaled_dot_product_attention(q, k, v, mask, **kw)
+    with sdpa_kernel(SDPBackend.MATH):  # PyTorch's math path: the same-precision reference
+        ref = F.scaled_dot_product_attention(q, k, v, mask, **kw)
     truth = reference(q, k, v, mask, **kw)
     assert out.dtype == dtype and out.shape == ref.shape
     assert max_err(out, truth) <= 2 * max_err(ref, truth) + FLOOR[dtype]
@@ -278,3 +280,39 @@ def test_eager_path_equals_the_custom_op_forward_and_backward():
         assert torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(at.scaled_dot_product_attention(q, k, v, mask, sinks=sinks, **kw), out)
+
+
+def test_compiled_backward_on_the_hugging_face_layout_matches_eager():
+    # The fake gradients must have the real ones' (contiguous) strides whatever the inputs'
+    # strides, or the compiled graph lays out what follows wrongly.
+    qkv = torch.randn(2, 33, 3 * 4 * 16, requires_grad=True)
+
+    def f(x):
+        q, k, v = (t.view(2, 33, 4, 16).transpose(1, 2) for t in x.split(64, 2))
+        return (at.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) * 2).sum(-1)
+
+    g = torch.randn(2, 33, 4)
+    want = torch.autograd.grad(f(qkv), qkv, g)[0]
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(qkv), qkv, g)[0]
+    assert torch.equal(got, want)
+    q = torch.randn(1, 2, 5, 8).transpose(2, 3).contiguous().transpose(2, 3)  # strided
+    out, lse, _ = torch.ops.attn.sdpa(q, q, q, None, 0.0, False, False, None, False, -1, -1, None,
+                                      None, None, torch.zeros(2, dtype=torch.int64), "", False)
+    torch.library.opcheck(torch.ops.attn.sdpa_backward.default,
+                          (torch.randn_like(out), q, q, q, out, lse, None, 0.0, False, False, None,
+                           False, -1, -1, None, None, None, torch.zeros(2, dtype=torch.int64), ""))
+
+
+def test_sixteen_bit_sinks_get_their_gradient_and_slopes_that_require_grad_are_refused():
+    q, k, v, _, kw = make(CASES[1], torch.bfloat16)
+    sinks = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    out = at.scaled_dot_product_attention(q, k, v, sinks=sinks)
+    (ds,) = torch.autograd.grad(out.float().sum(), (sinks,))
+    assert ds.dtype == torch.bfloat16 and ds.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="alibi_slopes"):
+        at.scaled_dot_product_attention(q, k, v, alibi_slopes=torch.ones(3, requires_grad=True))
+    qf = q.float().detach().requires_grad_()
+    o = at.scaled_dot_product_attention(qf, k.float().detach(), v.float().detach())
+    (gq,) = torch.autograd.grad(o.sum(), qf, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable|does not require grad"):
+        gq.sum().backward()  # no silent second derivative
