@@ -438,27 +438,18 @@ _warned: set = set()
 def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str:
     """Why attn cannot take this call of F.scaled_dot_product_attention ("" when it can)."""
     ts = [query, key, value]
-    if not all(isinstance(t, Tensor) for t in ts):
-        return "an argument is not a tensor"
-    if any(t.is_nested for t in ts):
+    if all(isinstance(t, Tensor) for t in ts) and any(t.is_nested for t in ts):
         return "nested tensors"
-    if any(t.device.type != "cpu" for t in ts):
-        return "tensors not on the CPU"
-    if query.dtype not in _FLOAT_DTYPES or not (query.dtype == key.dtype == value.dtype):
-        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}"
+    try:  # what the wrapper itself would refuse: non-tensors, devices, dtypes, the mask's type
+        _check_tensors([("query", query), ("key", key), ("value", value)], attn_mask)
+    except (TypeError, RuntimeError) as e:
+        return str(e)
     if not (2 <= query.dim() <= 4 and query.dim() == key.dim() == value.dim()):
         return f"{query.dim()}-D inputs (attn takes 2-D to 4-D)"
     if query.shape[:-3] != key.shape[:-3] or query.shape[:-3] != value.shape[:-3]:
         return "broadcast batch dims"
-    if attn_mask is not None:
-        if not isinstance(attn_mask, Tensor) or attn_mask.device.type != "cpu":
-            return "the mask is not a CPU tensor"
-        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-            return f"a {attn_mask.dtype} mask"
-        if attn_mask.requires_grad:
-            return "a mask that requires grad"
-        if attn_mask.dim() > 4:
-            return "a mask of more than 4 dims"
+    if attn_mask is not None and attn_mask.dim() > 4:
+        return "a mask of more than 4 dims"
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
         return f"dropout_p={dropout_p!r}"
     return ""
