@@ -13,6 +13,9 @@
 #include "bench.hpp"
 #include "demo.hpp"
 #include "gpt_commands.hpp"
+#ifdef ATTN_HAVE_DIST
+#include "ring.hpp"
+#endif
 
 namespace {
 
@@ -165,6 +168,9 @@ int run(int argc, char** argv) {
   const std::function<int()> run_generate = attn::cli::add_generate_command(app);
   const std::function<int()> run_heatmap = attn::cli::add_heatmap_command(app);
   const std::function<int()> run_eval = attn::cli::add_eval_command(app);
+#ifdef ATTN_HAVE_DIST
+  const std::function<int()> run_ring = attn::cli::add_ring_command(app);
+#endif
 
   try {
     app.parse(argc, argv);
@@ -178,6 +184,9 @@ int run(int argc, char** argv) {
     if (app.got_subcommand("generate")) return run_generate();
     if (app.got_subcommand("heatmap")) return run_heatmap();
     if (app.got_subcommand("eval")) return run_eval();
+#ifdef ATTN_HAVE_DIST
+    if (app.got_subcommand("ring")) return run_ring();
+#endif
     if (kernels->parsed()) {
       std::cout << attn::bench::format_kernels();
       return 0;

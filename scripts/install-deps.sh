@@ -4,7 +4,8 @@
 # names given as arguments are installed too (e.g. the sanitizer and fuzzing toolchain).
 set -euo pipefail
 
-packages=(cmake g++ make pkg-config libopenblas-dev libfmt-dev libcli11-dev libgtest-dev libpng-dev "$@")
+packages=(cmake g++ make pkg-config libopenblas-dev libfmt-dev libcli11-dev libgtest-dev libpng-dev
+          openmpi-bin libopenmpi-dev iproute2 "$@")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -90,7 +90,7 @@ stage_asan() {
   log "ASan+UBSan: configure and build build-asan (g++, RelWithDebInfo)"
   t0=$SECONDS
   cmake -S "$root" -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-        -DATTN_SANITIZE=address,undefined >/dev/null || { fail "ASan configure"; return 1; }
+        -DATTN_SANITIZE=address,undefined -DATTN_WITH_MPI=OFF >/dev/null || { fail "ASan configure"; return 1; }
   cmake --build build-asan -j "$jobs" >build-asan/build.log 2>&1 ||
     { tail -30 build-asan/build.log; fail "ASan build (build-asan/build.log)"; return 1; }
   rm -f build-asan/ctest-output.txt build-asan/soak.txt
@@ -123,7 +123,7 @@ stage_tsan() {
   t0=$SECONDS
   [ -f "$archer" ] || { fail "$archer not found (libomp-14-dev)"; return 1; }
   CXX=clang++-14 cmake -S "$root" -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-        -DATTN_SANITIZE=thread >/dev/null || { fail "TSan configure"; return 1; }
+        -DATTN_SANITIZE=thread -DATTN_WITH_MPI=OFF >/dev/null || { fail "TSan configure"; return 1; }
   grep -q 'CMAKE_CXX_COMPILER:.*clang' build-tsan/CMakeCache.txt ||
     { fail "build-tsan is configured with another compiler; remove build-tsan/"; return 1; }
   cmake --build build-tsan -j "$jobs" --target attn_tests attn_soak >build-tsan/build.log 2>&1 ||

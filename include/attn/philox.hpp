@@ -92,7 +92,8 @@ inline bool philox_dropout_keep(uint64_t seed, uint64_t offset, int64_t bh, int6
 
 // keep[j] = philox_dropout_keep(seed, offset, bh, i, j, p) for j in [0, keep.size()): one
 // query row of the mask, as the reference paths use it (src/core/philox.cpp).
+// j0 shifts the keys: keep[j] is key j0 + j's (a slice of a longer sequence).
 void philox_dropout_keep_row(uint64_t seed, uint64_t offset, int64_t bh, int64_t i, float p,
-                             std::span<uint8_t> keep);
+                             std::span<uint8_t> keep, int64_t j0 = 0);
 
 }  // namespace attn

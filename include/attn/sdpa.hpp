@@ -153,6 +153,16 @@ struct SdpaOptions {
   // d(sinks) = -sum_i p_i,sink * (dO_i . O_i) (summed over batch). Finite, |s_h| <=
   // FLT_MAX / log2(e) (as scale), else ValueError.
   std::optional<TensorView> sinks;
+
+  // ---- global positions (context parallelism: attn::dist, a slice of a longer sequence) ------
+  // Query row i is token query_pos_offset + i and key j token key_pos_offset + j of the whole
+  // sequence: is_causal, the window and ALiBi compare these positions (i' above becomes
+  // i + query_pos_offset - key_pos_offset, plus S - L with kBottomRight), and Philox dropout
+  // keys weight (i, j) by them, so a slice computes exactly its part of the whole call (its
+  // mask included). attn_mask stays indexed by local (i, j). Each >= 0 with offset + length
+  // <= 2^32 (Philox's 32-bit counters), else ValueError; varlen_attn refuses nonzero ones.
+  int64_t query_pos_offset = 0;
+  int64_t key_pos_offset = 0;
 };
 
 struct SdpaResult {

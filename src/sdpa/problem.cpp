@@ -22,16 +22,33 @@ bool broadcasts_to(const Shape& from, const Shape& to) {
   return true;
 }
 
+// query_pos_offset and key_pos_offset, into p (whose L and S are known).
+void check_positions(const SdpaOptions& o, SdpaProblem& p) {
+  constexpr int64_t kLimit = int64_t{1} << 32;
+  const auto check = [](int64_t offset, int64_t len, const char* name) {
+    if (offset < 0 || offset > kLimit - len) {
+      throw ValueError(fmt::format("scaled_dot_product_attention: {} must be >= 0 with {} + length "
+                                   "({}) <= 2^32, got {}", name, name, len, offset));
+    }
+  };
+  check(o.query_pos_offset, p.L, "query_pos_offset");
+  check(o.key_pos_offset, p.S, "key_pos_offset");
+  p.q_pos = o.query_pos_offset;
+  p.k_pos = o.key_pos_offset;
+}
+
 // The variants block of SdpaOptions, into p (whose shapes and alignment are already known).
 void check_variants(const SdpaOptions& o, SdpaProblem& p) {
   const char* who = "scaled_dot_product_attention";
   check_window_size(o.window_size, who, "window_size");
-  // A side of L + S or more hides nothing more than L + S does (|i' - j| < L + S): clamp it, so
-  // that i' - left and i' + right cannot overflow (INT64_MAX is a valid "the whole sequence").
-  const int64_t reach = p.L + p.S;
+  // A side of L + S + |q_pos - k_pos| or more hides nothing more than that does (it bounds
+  // |i' - j|): clamp it, so that i' - left and i' + right cannot overflow (INT64_MAX is a valid
+  // "the whole sequence"). Positions are < 2^32 (check_positions), so the sum cannot overflow.
+  const int64_t reach = p.L + p.S + (p.q_pos > p.k_pos ? p.q_pos - p.k_pos : p.k_pos - p.q_pos);
   p.window_left = std::min(o.window_size.left, reach);
   p.window_right = std::min(o.window_size.right, reach);
   p.diag_offset = o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
+  p.diag_offset += p.q_pos - p.k_pos;
   p.softcap = check_softcap(o.softcap, who, "softcap");
   if (o.alibi_slopes) {
     std::vector<Shape> allowed{Shape{p.heads_q}};
@@ -212,8 +229,10 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
   }
   // The alignment only places the diagonal of is_causal's mask; without is_causal it is ignored.
   p.causal = o.is_causal;
+  check_positions(o, p);
   p.causal_offset =
       o.is_causal && o.causal_alignment == CausalAlignment::kBottomRight ? p.S - p.L : 0;
+  if (o.is_causal) p.causal_offset += p.q_pos - p.k_pos;
   if (o.scale) {
     // The kernels multiply in float32, the fused one by scale * log2(e): a scale whose float32
     // multiplier would be infinite is as unusable as an infinite one.

@@ -59,6 +59,9 @@ struct SdpaProblem {
   // varlen_attn (src/sdpa/varlen.cpp) runs sequence n as its own problem with bh_base = n * H,
   // so its mask is that of batch element n of the padded (N, H, max_q, max_k) call.
   int64_t bh_base = 0;
+  // SdpaOptions' global positions: Philox dropout indexes weight (i, j) as (q_pos + i, k_pos + j).
+  // Their difference is already folded into causal_offset and diag_offset.
+  int64_t q_pos = 0, k_pos = 0;
 
   // The variants (SdpaOptions' last block), validated. diag_offset places query i at
   // i' = i + diag_offset for the window and ALiBi: S - L with kBottomRight (causal or not), else 0.

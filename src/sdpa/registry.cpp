@@ -6,7 +6,9 @@
 // masks must match the -m flags CMakeLists.txt gives each flash_<isa>.cpp.
 #include "sdpa/registry.hpp"
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <fmt/format.h>
 
 #include "attn/error.hpp"
@@ -52,6 +54,21 @@ SdpaResult widening_forward(const TensorView& q, const TensorView& k, const Tens
 // one more forward pass, deterministic and with the same Philox mask): the output rounded to
 // 16 bits would put its rounding into every dS (FlashAttention's and PyTorch's bf16 backwards
 // do), which wrecks the gradient of a row that sees one key, whose true dQ is exactly 0.
+// A call on a slice of the keys (SdpaOptions::key_pos_offset, context parallelism) recomputes
+// only its block's output, normalised by the block's LSE, while D needs the whole row's: rows
+// whose recomputed LSE is not the saved one take the saved output, widened, instead.
+void keep_rows_of_the_whole_call(Tensor& out32, const Tensor& lse32, const SdpaSaved& forward) {
+  const int64_t rows = lse32.numel(), X = rows == 0 ? 0 : out32.numel() / rows;
+  const Tensor saved_lse = forward.lse.contiguous();
+  Tensor saved_out;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float a = lse32.data()[i], b = saved_lse.data()[i];
+    if (a == b || std::fabs(a - b) <= 1e-5f * (1.0f + std::fabs(b))) continue;
+    if (!saved_out.defined()) saved_out = forward.output.to(DType::kFloat32);
+    std::copy_n(saved_out.data() + i * X, X, out32.data() + i * X);
+  }
+}
+
 template <BackwardFn F32, ForwardFn FwdF32>
 SdpaGrads widening_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                             const TensorView& v, const SdpaSaved& forward,
@@ -64,8 +81,10 @@ SdpaGrads widening_backward(const TensorView& dout, const TensorView& q, const T
   if (FwdF32 != nullptr) {
     SdpaOptions fo = options;
     fo.need_weights = false;
-    fo.need_lse = false;
-    out32 = FwdF32(q32, k32, v32, fo, p32).output;
+    fo.need_lse = true;
+    SdpaResult r = FwdF32(q32, k32, v32, fo, p32);
+    out32 = std::move(r.output);
+    keep_rows_of_the_whole_call(out32, r.lse, forward);
   } else {
     out32 = forward.output.to(DType::kFloat32);
   }

@@ -116,6 +116,11 @@ TensorView sequence_view(const TensorView& t, int64_t row0, int64_t rows) {
 VarlenPlan make_plan(const TensorView& q, const TensorView& k, const TensorView& v,
                      const TensorView& cu_seq_q, const TensorView& cu_seq_k, int64_t max_q,
                      int64_t max_k, const SdpaOptions& o, const char* who) {
+  if (o.query_pos_offset != 0 || o.key_pos_offset != 0) {
+    throw ValueError(fmt::format("{}: query_pos_offset and key_pos_offset must be 0 (each sequence "
+                                 "starts at position 0), got {} and {}", who, o.query_pos_offset,
+                                 o.key_pos_offset));
+  }
   const char* names[3] = {"query", "key", "value"};
   const char* layouts[3] = {"(total_q, H, E)", "(total_k, H_kv, E)", "(total_k, H_kv, Ev)"};
   const TensorView* ts[3] = {&q, &k, &v};

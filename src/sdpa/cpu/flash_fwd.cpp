@@ -23,7 +23,8 @@
 namespace attn::cpu {
 
 bool dropout_keep(const FlashParams& p, int64_t bh, int64_t i, int64_t j) {
-  return philox_dropout_keep(p.dropout_seed, p.dropout_offset, bh, i, j, p.dropout_p);
+  return philox_dropout_keep(p.dropout_seed, p.dropout_offset, bh, i + p.dropout_i0, j + p.dropout_j0,
+                             p.dropout_p);
 }
 
 SdpaResult flash_forward(const FlashKernel& kernel, const TensorView& q_in, const TensorView& k_in,

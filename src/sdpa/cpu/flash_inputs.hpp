@@ -120,6 +120,8 @@ inline FlashParams make_flash_params(const detail::SdpaProblem& p, const SdpaOpt
   fp.dropout_p = p.dropout_p;
   fp.dropout_seed = options.dropout_seed;
   fp.dropout_offset = options.dropout_offset;
+  fp.dropout_i0 = p.q_pos;
+  fp.dropout_j0 = p.k_pos;
   return fp;
 }
 

@@ -35,6 +35,7 @@ struct FlashParams {
 
   float dropout_p = 0;              // Philox dropout on the weights when > 0
   uint64_t dropout_seed = 0, dropout_offset = 0;
+  int64_t dropout_i0 = 0, dropout_j0 = 0;  // global position of row 0 / key 0 (Philox counters)
   bool guard_v = false;             // v (backward: any input) holds NaN/Inf: never multiply it by a 0
 };
 

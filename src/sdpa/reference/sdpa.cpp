@@ -54,7 +54,8 @@ void philox_dropout_(Tensor& weights, const detail::SdpaProblem& p, const SdpaOp
     std::vector<uint8_t> keep(static_cast<size_t>(p.S));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      philox_dropout_keep_row(o.dropout_seed, o.dropout_offset, r / p.L + p.bh_base, r % p.L, p.dropout_p, keep);
+      philox_dropout_keep_row(o.dropout_seed, o.dropout_offset, r / p.L + p.bh_base, p.q_pos + r % p.L, p.dropout_p, keep,
+                              p.k_pos);
       float* w = weights.data() + r * p.S;
       for (int64_t j = 0; j < p.S; ++j) w[j] = keep[static_cast<size_t>(j)] ? w[j] * inv_keep : w[j] * 0.0f;
     }

@@ -94,13 +94,23 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
       }
       const float lse = detail::attention_row(prow, p, b, i, mrow, mstride, cap_grad.data());
       if (philox) {
-        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, i, p.dropout_p, keep);
+        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, p.q_pos + i, p.dropout_p, keep, p.k_pos);
       } else if (torch_drop) {
         const float* w = weights + (b * p.L + i) * p.S;
         for (int64_t j = 0; j < p.S; ++j) keep[static_cast<size_t>(j)] = w[j] != 0.0f;
       }
       float* dprow = dp.data() + i * p.S;
       float* pdrow = pd.data() + i * p.S;
+      // The keys given may be a slice of the forward's (context parallelism: the saved LSE then
+      // covers more keys than this row's own): P is renormalised to the saved LSE and
+      // rowsum(P * dP) is taken as rowsum(dO * O) over the saved output, as the fused backward
+      // does. A whole call's LSE equals the row's own bit for bit and takes the exact path.
+      const float saved_lse = forward.lse.data()[detail::lead_offset(forward.lse, p.lead, b) + i * forward.lse.stride(-1)];
+      const bool slice = saved_lse != lse && !(std::isnan(saved_lse) && std::isnan(lse));
+      if (slice) {
+        const float f = lse == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(lse - saved_lse);
+        for (int64_t j = 0; j < p.S; ++j) prow[j] *= f;
+      }
       double delta = 0.0;  // rowsum(P * dP); a zero P contributes nothing, even against a NaN dP
       for (int64_t j = 0; j < p.S; ++j) {
         const bool kept = keep[static_cast<size_t>(j)] != 0;
@@ -108,6 +118,13 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
         pdrow[j] = kept ? prow[j] * scale : prow[j] * 0.0f;
         dprow[j] = kept ? dprow[j] * scale : 0.0f;
         if (prow[j] != 0.0f) delta += static_cast<double>(prow[j]) * dprow[j];
+      }
+      if (slice) {
+        const float* orow = forward.output.data() + detail::lead_offset(forward.output, p.lead, b) + i * forward.output.stride(-2);
+        delta = 0.0;
+        for (int64_t e = 0; e < p.Ev; ++e) {
+          delta += static_cast<double>(dob.data()[i * dob.stride(0) + e * dob.stride(1)]) * orow[e * forward.output.stride(-1)];
+        }
       }
       if (!dsinks.empty()) {
         dsinks[static_cast<size_t>(b % p.heads_q)] -= std::exp(static_cast<double>(p.sink(b)) - lse) * delta;

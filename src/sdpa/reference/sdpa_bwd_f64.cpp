@@ -89,7 +89,7 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
       }
       const double lse = detail::attention_row(prow.data(), p, b, i, mrow, mstride, cap_grad.data());
       if (philox) {
-        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, i, p.dropout_p, keep);
+        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, p.q_pos + i, p.dropout_p, keep, p.k_pos);
       } else if (p.dropout_p > 0.0f) {
         for (int64_t j = 0; j < p.S; ++j) {
           keep[static_cast<size_t>(j)] =

@@ -76,8 +76,8 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const Ten
       if (!keep.empty()) {
         for (int64_t j = 0; j < p.S; ++j) row[j] *= keep[static_cast<size_t>((b * p.L + i) * p.S + j)] * inv_keep;
       } else if (philox) {
-        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, i, p.dropout_p,
-                                philox_keep);
+        philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, p.q_pos + i, p.dropout_p,
+                                philox_keep, p.k_pos);
         for (int64_t j = 0; j < p.S; ++j) row[j] = philox_keep[static_cast<size_t>(j)] ? row[j] * inv_keep : row[j] * 0.0;
       }
       double* out = r.output.data() + (b * p.L + i) * p.Ev;
