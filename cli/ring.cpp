@@ -1,4 +1,5 @@
-// `attn ring`: ring attention (attn::dist) timed under `mpirun -np P attn ring ...`.
+// `attn ring`: ring attention (attn::dist) timed under `mpirun -np P attn ring ...`
+// (--strategy ulysses: DeepSpeed-Ulysses all-to-all head parallelism, for comparison).
 //
 // Every rank makes the same global q, k, v, dO (B, H, L, E) from --seed and keeps its shard. The
 // forward and backward run --repeats times after a warm-up; per rank it reports the median wall,
@@ -37,7 +38,7 @@ namespace {
 
 struct RingArgs {
   int64_t batch = 1, heads = 8, kv_heads = 0, seq = 4096, dim = 64;
-  std::string dtype = "f32", layout = "auto";
+  std::string dtype = "f32", layout = "auto", strategy = "ring";
   bool causal = false, check = false;
   int repeats = 5, threads = 1;
   int64_t progress_rows = 256;
@@ -93,6 +94,19 @@ double comm_alone(int64_t L, int P, int r, dist::Layout layout, int64_t kv_row_b
   return seconds() - t0;
 }
 
+// Ulysses' all-to-alls alone: one per tensor, each rank sending 1/P of `bytes` to every rank.
+double alltoall_alone(const std::vector<int64_t>& bytes, int P) {
+  int64_t most = 0;
+  for (int64_t b : bytes) most = std::max(most, b);
+  std::vector<char> a(static_cast<size_t>(most)), b(a.size());
+  quiet_barrier();
+  const double t0 = seconds();
+  for (int64_t n : bytes) {
+    MPI_Alltoall(a.data(), static_cast<int>(n / P), MPI_BYTE, b.data(), static_cast<int>(n / P), MPI_BYTE, MPI_COMM_WORLD);
+  }
+  return seconds() - t0;
+}
+
 double max_diff(const Tensor& a, const Tensor& b) {
   const std::vector<float> x = a.to(DType::kFloat32).to_vector(), y = b.to(DType::kFloat32).to_vector();
   double m = 0;
@@ -128,7 +142,7 @@ std::vector<double> gather_row(const Timing& t, double comm, int P) {
   return all;
 }
 
-void report(const char* pass, const std::vector<double>& all, int P, double t1, double t1_cpu, int threads) {
+void report(const char* pass, const std::vector<double>& all, int P, double t1, double t1_cpu, int threads, bool overlapped) {
   constexpr size_t kCols = 7;
   fmt::print("{}:\n  rank  wall ms  setup ms  compute ms  compute CPU ms  wait ms  comm alone ms  hidden  sent MB\n", pass);
   double wall = 0, cpu_sum = 0, cpu_max = 0, cpu_min = 1e300, hidden_min = 1;
@@ -142,9 +156,10 @@ void report(const char* pass, const std::vector<double>& all, int P, double t1, 
     if (P > 1) hidden_min = std::min(hidden_min, hidden);
   }
   fmt::print("  one process ({} thread{}): {:.2f} ms; efficiency T1/(P*T_P) {:.2f}, CPU-time efficiency {:.2f}, "
-             "compute CPU balance max/min {:.3f}, hidden (worst rank) {:.1f}%\n",
+             "compute CPU balance max/min {:.3f}, hidden (worst rank) {}\n",
              threads, threads == 1 ? "" : "s", 1e3 * t1, t1 / (P * wall), t1_cpu / cpu_sum,
-             cpu_min > 0 ? cpu_max / cpu_min : 0.0, 100 * hidden_min);
+             cpu_min > 0 ? cpu_max / cpu_min : 0.0,
+             overlapped ? fmt::format("{:.1f}%", 100 * hidden_min) : std::string("n/a (all-to-alls, not overlapped)"));
 }
 
 int run_ring(const RingArgs& a) {
@@ -171,6 +186,10 @@ int run_ring(const RingArgs& a) {
     throw ValueError(fmt::format("attn ring: --layout must be auto, zigzag or contiguous, got '{}'", a.layout));
   }
   const int64_t hkv = a.kv_heads > 0 ? a.kv_heads : a.heads;
+  if (a.strategy != "ring" && a.strategy != "ulysses") {
+    throw ValueError(fmt::format("attn ring: --strategy must be ring or ulysses, got '{}'", a.strategy));
+  }
+  const bool ulysses = a.strategy == "ulysses";
   manual_seed(a.seed);
   const Tensor q = randn({a.batch, a.heads, a.seq, a.dim}).to(dt), k = randn({a.batch, hkv, a.seq, a.dim}).to(dt);
   const Tensor v = randn({a.batch, hkv, a.seq, a.dim}).to(dt), dout = randn({a.batch, a.heads, a.seq, a.dim}).to(dt);
@@ -189,9 +208,9 @@ int run_ring(const RingArgs& a) {
   ro.stats = &st;
 
   if (r == 0) {
-    fmt::print("attn ring: {} ranks, B={} H={} H_kv={} L={} E={} {} {}, {} layout, {} thread{} per rank, "
+    fmt::print("attn ring: {} ({}), {} ranks, B={} H={} H_kv={} L={} E={} {} {}, {} layout, {} thread{} per rank, "
                "progress every {} rows, median of {}\n",
-               P, a.batch, a.heads, hkv, a.seq, a.dim, dtype_name(dt), a.causal ? "causal" : "non-causal",
+               ulysses ? "ulysses_attention" : "ring_attention", ulysses ? "all-to-all, not overlapped" : "overlapped", P, a.batch, a.heads, hkv, a.seq, a.dim, dtype_name(dt), a.causal ? "causal" : "non-causal",
                layout == dist::Layout::kZigzag ? "zigzag" : "contiguous", a.threads, a.threads == 1 ? "" : "s",
                a.progress_rows, a.repeats);
   }
@@ -200,15 +219,23 @@ int run_ring(const RingArgs& a) {
   SdpaGrads g;
   for (int i = 0; i <= a.repeats; ++i) {
     quiet_barrier();
-    res = dist::ring_attention(ql, kl, vl, MPI_COMM_WORLD, o, ro);
+    res = (ulysses ? dist::ulysses_attention : dist::ring_attention)(ql, kl, vl, MPI_COMM_WORLD, o, ro);
     if (i > 0) fwd.add(st);
     quiet_barrier();
-    g = dist::ring_attention_backward(dl, ql, kl, vl, res, MPI_COMM_WORLD, o, ro);
+    g = (ulysses ? dist::ulysses_attention_backward : dist::ring_attention_backward)(dl, ql, kl, vl, res, MPI_COMM_WORLD, o, ro);
     if (i > 0) bwd.add(st);
   }
   const int64_t kv_row = hkv * a.batch * 2 * a.dim * dtype_size(dt), grad_row = hkv * a.batch * 2 * a.dim * 4;
   std::vector<double> c_fwd, c_bwd;
-  for (int i = 0; i < std::max(1, a.repeats); ++i) {
+  // Ulysses: q, k, v there and o, lse back; the backward dO, q, k, v, o, lse there, dQ, dK, dV back.
+  // (sizes from the largest shard, the same on every rank as MPI_Alltoall needs)
+  const int64_t lr = (a.seq + P - 1) / P, qb = a.batch * a.heads * lr * a.dim * dtype_size(dt);
+  const int64_t kb = a.batch * hkv * lr * a.dim * dtype_size(dt), lb = a.batch * a.heads * lr * 4;
+  for (int i = 0; ulysses && i < std::max(1, a.repeats); ++i) {
+    c_fwd.push_back(alltoall_alone({qb, kb, kb, qb, lb}, P));
+    c_bwd.push_back(alltoall_alone({qb, qb, kb, kb, qb, lb, qb, kb, kb}, P));
+  }
+  for (int i = 0; !ulysses && i < std::max(1, a.repeats); ++i) {
     c_fwd.push_back(comm_alone(a.seq, P, r, layout, kv_row, 0));
     // A 16-bit backward runs a float32 forward ring, then the float32 backward ring.
     c_bwd.push_back(dt == DType::kFloat32 ? comm_alone(a.seq, P, r, layout, kv_row, grad_row)
@@ -234,8 +261,8 @@ int run_ring(const RingArgs& a) {
   quiet_barrier();
   const std::vector<double> rows_f = gather_row(fwd, median(c_fwd), P), rows_b = gather_row(bwd, median(c_bwd), P);
   if (r == 0) {
-    report("forward", rows_f, P, t1, t1_cpu, a.threads);
-    report("backward", rows_b, P, t1b, t1b_cpu, a.threads);
+    report("forward", rows_f, P, t1, t1_cpu, a.threads, !ulysses);
+    report("backward", rows_b, P, t1b, t1b_cpu, a.threads, !ulysses);
   }
   if (!a.check) return 0;
 
@@ -294,6 +321,8 @@ std::function<int()> add_ring_command(CLI::App& app) {
   c->add_option("--dim", a->dim, "Head dimension E")->capture_default_str()->check(CLI::PositiveNumber);
   c->add_option("--dtype", a->dtype, "f32, bf16 or f16")->capture_default_str();
   c->add_option("--layout", a->layout, "auto (zigzag when causal), zigzag or contiguous")->capture_default_str();
+  c->add_option("--strategy", a->strategy, "ring (ring_attention) or ulysses (ulysses_attention: all-to-all head parallelism)")
+      ->capture_default_str();
   c->add_flag("--causal", a->causal, "Causal attention");
   c->add_option("--repeats", a->repeats, "Timed runs after one warm-up (medians reported)")->capture_default_str()->check(CLI::PositiveNumber);
   c->add_option("--threads", a->threads, "Threads per rank")->capture_default_str()->check(CLI::PositiveNumber);

@@ -18,7 +18,7 @@ if(NOT ATTN_HAVE_DIST)
 endif()
 
 add_library(attn_dist src/dist/comm.cpp src/dist/layout.cpp src/dist/ring_common.cpp
-                      src/dist/ring_attention.cpp)
+                      src/dist/ring_attention.cpp src/dist/ulysses_attention.cpp)
 add_library(attn::dist ALIAS attn_dist)
 target_link_libraries(attn_dist PUBLIC attn::attn MPI::MPI_CXX)
 target_include_directories(attn_dist PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)

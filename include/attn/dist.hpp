@@ -14,21 +14,34 @@
 //   ring_attention     K/V blocks travel around the ring (non-blocking Isend/Irecv, double-
 //                      buffered) while the fused kernel computes on the block in hand; partial
 //                      results merge through their LSE. Backward: dK/dV travel the ring back.
+//   ulysses_attention  all-to-all from sequence-sharded to head-sharded, one local SDPA over the
+//                      whole sequence, all-to-all back (DeepSpeed-Ulysses). Needs H and H_kv
+//                      divisible by P and no dropout (else ValueError: use the ring). Moves q,
+//                      k, v and o once where the ring moves K/V P-1 times, but cannot hide it
+//                      behind compute. Which to use: docs/DISTRIBUTED.md ("Ring or Ulysses").
 //
-// It computes exactly what scaled_dot_product_attention computes on the gathered tensors
+// Both compute exactly what scaled_dot_product_attention computes on the gathered tensors
 // (SdpaOptions::query_pos_offset / key_pos_offset place each block at its global position, so
 // causal, window, ALiBi and Philox dropout see global positions and the dropout mask is the
-// single-process one), up to float rounding of the LSE merge. Supported options: is_causal,
-// scale, enable_gqa, dropout with DropoutRng::kPhilox, window_size, softcap, alibi_slopes, sinks,
-// need_lse, kernel / backend / num_threads. Refused with ValueError: attn_mask (its keys are
-// spread over the ranks), need_weights, kTorch dropout, nonzero position offsets, different
-// query and key lengths. Dtypes: float32, bfloat16, float16 (partials merge in float32).
+// single-process one), up to float rounding: the ring merges partials through their LSEs in
+// float32, and with 16-bit inputs each block's partial output comes back rounded to that dtype
+// before the merge (one rounding per visible block; the tests hold the whole to 2x the
+// single-process error vs float64). Supported options: is_causal, scale, enable_gqa, dropout
+// with DropoutRng::kPhilox (ring only), window_size, softcap, alibi_slopes, sinks, need_lse,
+// kernel / backend / num_threads. Refused with ValueError: attn_mask (its keys are spread over
+// the ranks), need_weights, kTorch dropout, nonzero position offsets, a named kernel that
+// would refuse the blocks; with DTypeError: float64, query/key/value of different dtypes.
+// Query and key shards must both be the layout's (ShapeError).
 //
-// Collective contract: every rank of `comm` calls with the same options and shapes (except the
-// sequence length, which must be its shard's). This is checked collectively before any
-// transfer: a mismatch or a bad argument on any rank makes every rank throw the same typed error
-// naming the rank and what differs. A peer that dies or stalls: every other rank throws
-// CommError after RingOptions::timeout_seconds without progress; nothing partial is returned.
+// Collective contract: every rank of `comm` calls the same function with the same options and
+// shapes (except the sequence length, which must be its shard's). This is checked collectively
+// before any transfer: a mismatch or a bad argument on any rank makes every rank throw the same
+// typed error naming the rank and what differs. A peer that stalls: every other rank throws
+// CommError once it has waited RingOptions::timeout_seconds in one transfer or collective
+// (wall time of that wait: set it above the slowest expected block transfer); nothing partial
+// is returned. A peer that dies: Open MPI's runtime aborts the job, the other ranks with it.
+// After a CommError the communicator passed in may hold a collective that can never complete
+// (MPI cannot cancel one): treat it as broken (abort, or stop using it).
 // The calls are thread-compatible with MPI_THREAD_FUNNELED (only the calling thread uses MPI).
 #pragma once
 
@@ -101,5 +114,14 @@ SdpaGrads ring_attention_backward(const TensorView& grad_output, const TensorVie
                                   const TensorView& key, const TensorView& value,
                                   const SdpaSaved& forward, MPI_Comm comm,
                                   const SdpaOptions& options = {}, const RingOptions& ring = {});
+
+// DeepSpeed-Ulysses head parallelism: same inputs, layouts, results and contract as
+// ring_attention (RingOptions::progress_rows is unused; RingStats::wait is the all-to-alls).
+SdpaResult ulysses_attention(const TensorView& query, const TensorView& key, const TensorView& value,
+                             MPI_Comm comm, const SdpaOptions& options = {}, const RingOptions& ring = {});
+SdpaGrads ulysses_attention_backward(const TensorView& grad_output, const TensorView& query,
+                                     const TensorView& key, const TensorView& value,
+                                     const SdpaSaved& forward, MPI_Comm comm,
+                                     const SdpaOptions& options = {}, const RingOptions& ring = {});
 
 }  // namespace attn::dist

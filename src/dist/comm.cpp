@@ -11,7 +11,6 @@ namespace attn::dist::detail {
 
 namespace {
 constexpr int64_t kMaxMessage = int64_t{1} << 30;
-constexpr size_t kTextBytes = 4096;
 }  // namespace
 
 double now_seconds() {
@@ -38,7 +37,9 @@ Comm::Comm(MPI_Comm comm, double timeout_seconds, const char* who) : timeout_(ti
   if (!initialized) throw ValueError(fmt::format("{}: MPI is not initialized (call MPI_Init first)", who));
   if (comm == MPI_COMM_NULL) throw ValueError(fmt::format("{}: comm is MPI_COMM_NULL", who));
   if (!(timeout_seconds > 0)) {
-    throw ValueError(fmt::format("{}: timeout_seconds must be > 0, got {}", who, timeout_seconds));
+    // Reported through agree() so that every rank throws it; until then, a default timeout.
+    bad_argument_ = fmt::format("{}: timeout_seconds must be > 0, got {}", who, timeout_seconds);
+    timeout_ = 300;
   }
   MPI_Request req = MPI_REQUEST_NULL;
   check_mpi(MPI_Comm_idup(comm, &comm_, &req), who, "MPI_Comm_idup");
@@ -97,37 +98,72 @@ void Comm::irecv(void* data, int64_t bytes, int peer, int tag, std::vector<MPI_R
 }
 
 std::vector<std::string> Comm::allgather(const std::string& mine) const {
-  std::vector<char> send(kTextBytes, 0), recv(kTextBytes * static_cast<size_t>(size_), 0);
-  std::memcpy(send.data(), mine.data(), std::min(mine.size(), kTextBytes - 1));
+  // Lengths first, then the strings (Iallgatherv): no size limit, no separator to escape.
+  int64_t len = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> lens(static_cast<size_t>(size_));
   std::vector<MPI_Request> reqs(1);
-  check_mpi(MPI_Iallgather(send.data(), static_cast<int>(kTextBytes), MPI_CHAR, recv.data(),
-                           static_cast<int>(kTextBytes), MPI_CHAR, comm_, &reqs[0]),
-            who_, "MPI_Iallgather");
+  check_mpi(MPI_Iallgather(&len, 1, MPI_INT64_T, lens.data(), 1, MPI_INT64_T, comm_, &reqs[0]), who_, "MPI_Iallgather");
+  wait(reqs, "every rank's arguments (the collective check)");
+  std::vector<int> counts(static_cast<size_t>(size_)), displs(static_cast<size_t>(size_));
+  int64_t total = 0;
+  for (int r = 0; r < size_; ++r) {
+    if (lens[static_cast<size_t>(r)] < 0 || lens[static_cast<size_t>(r)] > (int64_t{1} << 20)) {
+      throw CommError(fmt::format("{}: rank {} sent a malformed argument check ({} bytes)", who_, r, lens[static_cast<size_t>(r)]));
+    }
+    counts[static_cast<size_t>(r)] = static_cast<int>(lens[static_cast<size_t>(r)]);
+    displs[static_cast<size_t>(r)] = static_cast<int>(total);
+    total += lens[static_cast<size_t>(r)];
+  }
+  std::vector<char> recv(static_cast<size_t>(std::max<int64_t>(total, 1)));
+  reqs.assign(1, MPI_REQUEST_NULL);
+  check_mpi(MPI_Iallgatherv(mine.data(), static_cast<int>(len), MPI_CHAR, recv.data(), counts.data(), displs.data(),
+                            MPI_CHAR, comm_, &reqs[0]),
+            who_, "MPI_Iallgatherv");
   wait(reqs, "every rank's arguments (the collective check)");
   std::vector<std::string> out;
-  for (int r = 0; r < size_; ++r) out.emplace_back(recv.data() + static_cast<size_t>(r) * kTextBytes);
+  for (int r = 0; r < size_; ++r) {
+    out.emplace_back(recv.data() + displs[static_cast<size_t>(r)], static_cast<size_t>(counts[static_cast<size_t>(r)]));
+  }
   return out;
 }
 
-int64_t agree(const Comm& comm, const Agreement& mine, Layout layout) {
-  const std::string text = fmt::format("{}\x1f{}\x1f{}\x1f{}\x1f{}", mine.error_kind == 0 ? '-' : mine.error_kind,
-                                       mine.error, mine.signature, mine.len_q, mine.len_k);
+namespace {
+// Fields as "<length>:<bytes>": whatever a message or kernel name holds cannot shift them.
+void put(std::string& s, const std::string& field) { s += std::to_string(field.size()) + ":" + field; }
+std::string take(const std::string& s, size_t& at) {
+  const size_t colon = s.find(':', at);
+  if (colon == std::string::npos || colon == at || colon - at > 9) throw ValueError("malformed argument check");
+  const size_t n = std::stoul(s.substr(at, colon - at));
+  if (colon + 1 + n > s.size()) throw ValueError("malformed argument check");
+  at = colon + 1 + n;
+  return s.substr(colon + 1, n);
+}
+}  // namespace
+
+int64_t agree(const Comm& comm, const Agreement& given, Layout layout) {
+  Agreement mine = given;
+  if (mine.error_kind == 0 && !comm.bad_argument().empty()) mine.error_kind = 'V', mine.error = comm.bad_argument();
+  std::string text;
+  put(text, std::string(1, mine.error_kind == 0 ? '-' : mine.error_kind));
+  put(text, mine.error);
+  put(text, std::string(comm.who()) + ": " + mine.signature);  // forward and backward do not match
+  put(text, std::to_string(mine.len_q));
+  put(text, std::to_string(mine.len_k));
   std::vector<Agreement> all;
-  for (const std::string& s : comm.allgather(text)) {
+  const std::vector<std::string> texts = comm.allgather(text);
+  for (size_t r = 0; r < texts.size(); ++r) {
     Agreement a;
-    size_t at = 0;
-    const auto field = [&] {
-      const size_t end = s.find('\x1f', at);
-      std::string f = s.substr(at, end == std::string::npos ? std::string::npos : end - at);
-      at = end == std::string::npos ? s.size() : end + 1;
-      return f;
-    };
-    const std::string kind = field();
-    a.error_kind = kind == "-" ? 0 : kind[0];
-    a.error = field();
-    a.signature = field();
-    a.len_q = std::stoll("0" + field());
-    a.len_k = std::stoll("0" + field());
+    try {
+      size_t at = 0;
+      const std::string kind = take(texts[r], at);
+      a.error_kind = kind == "-" ? 0 : kind[0];
+      a.error = take(texts[r], at);
+      a.signature = take(texts[r], at);
+      a.len_q = std::stoll(take(texts[r], at));
+      a.len_k = std::stoll(take(texts[r], at));
+    } catch (const std::exception&) {
+      throw CommError(fmt::format("{}: rank {} sent a malformed argument check", comm.who(), r));
+    }
     all.push_back(a);
   }
   const char* who = comm.who();

@@ -29,13 +29,15 @@ class Comm {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const char* who() const { return who_; }
+  // A bad timeout_seconds, reported by agree() on every rank (non-empty when bad).
+  const std::string& bad_argument() const { return bad_argument_; }
 
   // Polls: true when every request has completed (completed ones become MPI_REQUEST_NULL).
   bool test(std::vector<MPI_Request>& reqs) const;
   // Waits for every request; CommError after the timeout, naming `what`.
   void wait(std::vector<MPI_Request>& reqs, const std::string& what) const;
 
-  // Every rank's string (each up to 4 KiB), gathered on every rank.
+  // Every rank's string (each up to 1 MiB), gathered on every rank.
   std::vector<std::string> allgather(const std::string& mine) const;
 
   // Non-blocking send / receive of `bytes` bytes, split into messages below 1 GiB (MPI counts
@@ -48,6 +50,7 @@ class Comm {
   int rank_ = 0, size_ = 1;
   double timeout_;
   const char* who_;
+  std::string bad_argument_;
   mutable bool healthy_ = true;  // false after a timeout: requests may be pending, the dup is not freed
 };
 
@@ -60,7 +63,8 @@ struct Agreement {
   int64_t len_q = 0, len_k = 0;
 };
 // Gathers every rank's Agreement and throws, identically on every rank, the first rank's local
-// error, or a ValueError naming the first rank whose signature differs from rank 0's, or a
+// error (a bad timeout included), or a ValueError naming the first rank whose signature (or
+// function: ring_attention vs its backward) differs from rank 0's, or a
 // ShapeError for a rank whose lengths are not its shard of the total under `layout`. Returns
 // the global sequence length.
 int64_t agree(const Comm& comm, const Agreement& mine, Layout layout);

@@ -53,7 +53,7 @@ Tensor gather(const TensorView& local, MPI_Comm comm_in, Layout layout, double t
   });
   const int64_t total = detail::agree(comm, mine, layout);
   const int P = comm.size();
-  // Every rank's rows, packed row-major, gathered with Iallgatherv.
+  // Every rank's rows, packed row-major, sent to every rank (P^2 point-to-point messages).
   Shape shape = local.shape();
   shape[shape.ndim() - 2] = total;
   Tensor out = Tensor::empty(shape, local.dtype());

@@ -22,7 +22,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 #include <fmt/format.h>
@@ -125,6 +127,16 @@ void apply_sinks(Tensor& acc, Tensor& acc_lse, const TensorView& sinks, int64_t 
   }
 }
 
+// The key rows of the last backward step, cut into up to 4 chunks whose dK/dV leave as soon as
+// they are final, so that only the last chunk's transfer is exposed (sender and owner cut the
+// owner's rows alike).
+std::vector<std::pair<int64_t, int64_t>> final_chunks(int64_t n) {
+  const int64_t c = std::min<int64_t>(4, n);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t i = 0; i < c; ++i) out.emplace_back(n * i / c, n * (i + 1) / c);
+  return out;
+}
+
 // Step s of the ring: the block in hand (rank src's) goes to r + 1 while the next one (rank
 // src - 1's) arrives from r - 1 into the other buffer; nothing moves at the last step.
 void post_kv(const Comm& comm, const KvFormat& f, int64_t L, Layout layout, int s, const char* in_hand,
@@ -139,11 +151,16 @@ void post_kv(const Comm& comm, const KvFormat& f, int64_t L, Layout layout, int 
 
 // Calls f(sub, kp) for every (query piece of at most progress_rows rows, key piece of rank src)
 // whose band is not empty, polling `reqs` after each so that the transfers progress.
+// Only the key rows [k0, k1) of the block (local rows) when given.
 template <typename F>
 void for_each_block(const Comm& comm, const std::vector<Piece>& mine, int64_t L, int src, const SdpaOptions& o,
-                    const RingOptions& ring, std::vector<std::vector<MPI_Request>*> reqs, F&& f) {
+                    const RingOptions& ring, std::vector<std::vector<MPI_Request>*> reqs, F&& f,
+                    int64_t k0 = 0, int64_t k1 = std::numeric_limits<int64_t>::max()) {
   for (const Piece& qp : mine) {
-    for (const Piece& kp : detail::pieces(L, comm.size(), src, ring.layout)) {
+    for (const Piece& whole : detail::pieces(L, comm.size(), src, ring.layout)) {
+      const int64_t a = std::max(whole.row, k0), b = std::min(whole.row + whole.end - whole.begin, k1);
+      if (a >= b) continue;
+      const Piece kp{whole.begin + a - whole.row, whole.begin + b - whole.row, a};
       for (int64_t c = 0; c < qp.end - qp.begin; c += ring.progress_rows) {
         const int64_t n = std::min(ring.progress_rows, qp.end - qp.begin - c);
         const Piece sub{qp.begin + c, qp.begin + c + n, qp.row + c};
@@ -154,6 +171,33 @@ void for_each_block(const Comm& comm, const std::vector<Piece>& mine, int64_t L,
     }
   }
 }
+
+// What MPI reads and writes during the ring: the K/V block in hand and the next, and the
+// backward's travelling dK/dV (received, sent).
+struct Buffers {
+  std::vector<char> kv[2];
+  std::vector<float> g_in, g_out;
+  std::vector<std::vector<float>> fin_in, fin_out;  // the last step's dK/dV chunks
+  Buffers(int64_t kv_bytes, int64_t g_floats)
+      : kv{std::vector<char>(static_cast<size_t>(kv_bytes)), std::vector<char>(static_cast<size_t>(kv_bytes))},
+        g_in(static_cast<size_t>(g_floats)), g_out(static_cast<size_t>(g_floats)) {}
+};
+
+// When the ring throws midway (a kernel error, a timeout), transfers may still be posted and a
+// late peer's data may still arrive: the buffers are leaked rather than freed under MPI.
+class LeakOnThrow {
+ public:
+  explicit LeakOnThrow(std::unique_ptr<Buffers>& b) : b_(b), n_(std::uncaught_exceptions()) {}
+  ~LeakOnThrow() {
+    if (std::uncaught_exceptions() > n_) (void)b_.release();
+  }
+  LeakOnThrow(const LeakOnThrow&) = delete;
+  LeakOnThrow& operator=(const LeakOnThrow&) = delete;
+
+ private:
+  std::unique_ptr<Buffers>& b_;
+  int n_;
+};
 
 int64_t largest_shard(int64_t L, int P, Layout layout) {
   int64_t most = 0;
@@ -188,8 +232,9 @@ SdpaResult ring_attention(const TensorView& q, const TensorView& k, const Tensor
   Tensor acc_lse = Tensor::full(lse_shape, -std::numeric_limits<float>::infinity());
 
   const int64_t max_rows = largest_shard(L, P, ring.layout);
-  std::vector<char> buf[2] = {std::vector<char>(static_cast<size_t>(fmt_kv.bytes(max_rows))),
-                              std::vector<char>(static_cast<size_t>(fmt_kv.bytes(max_rows)))};
+  auto mem = std::make_unique<Buffers>(fmt_kv.bytes(max_rows), 0);
+  const LeakOnThrow keep(mem);
+  std::vector<char>* buf = mem->kv;
   pack_kv(fmt_kv, k, v, buf[0].data());
 
   RingStats st;
@@ -237,11 +282,18 @@ SdpaGrads widened_backward(const TensorView& dout, const TensorView& q, const Te
   RingStats fs, bs;
   RingOptions inner = ring;
   inner.stats = &fs;
-  SdpaOptions fo = options;
+  SdpaOptions o32 = options;
+  // A kernel named for the 16-bit dtype cannot take the float32 rings: they choose their own.
+  for (const SdpaKernelInfo& info : sdpa_kernels()) {
+    if (info.name == options.kernel && std::find(info.dtypes.begin(), info.dtypes.end(), DType::kFloat32) == info.dtypes.end()) {
+      o32.kernel = SdpaOptions{}.kernel;
+    }
+  }
+  SdpaOptions fo = o32;
   fo.need_lse = true;
   const SdpaResult f = ring_attention(q32, k32, v32, comm, fo, inner);
   inner.stats = &bs;
-  SdpaGrads g = ring_attention_backward(d32, q32, k32, v32, f, comm, options, inner);
+  SdpaGrads g = ring_attention_backward(d32, q32, k32, v32, f, comm, o32, inner);
   g.grad_query = g.grad_query.to(q.dtype());
   g.grad_key = g.grad_key.to(k.dtype());
   g.grad_value = g.grad_value.to(v.dtype());
@@ -266,7 +318,7 @@ SdpaGrads ring_attention_backward(const TensorView& dout, const TensorView& q, c
   Comm comm(comm_in, ring.timeout_seconds, kBwd);
   const detail::Agreement mine = detail::local_check([&](detail::Agreement& a) {
     a = detail::check_ring_args(q, k, v, options, ring, kBwd);
-    detail::check_ring_backward_args(dout, fwd, q, k, v, options);
+    a.signature += detail::check_ring_backward_args(dout, fwd, q, k, v, options, kBwd);
   });
   const int64_t L = detail::agree(comm, mine, ring.layout);
   if (q.dtype() != DType::kFloat32) return widened_backward(dout, q, k, v, comm_in, options, ring, t0);
@@ -279,10 +331,10 @@ SdpaGrads ring_attention_backward(const TensorView& dout, const TensorView& q, c
 
   Tensor dq = Tensor::zeros(q.shape());
   const int64_t max_rows = largest_shard(L, P, ring.layout);
-  std::vector<char> buf[2] = {std::vector<char>(static_cast<size_t>(fmt_kv.bytes(max_rows))),
-                              std::vector<char>(static_cast<size_t>(fmt_kv.bytes(max_rows)))};
-  const auto g_floats = static_cast<size_t>(fmt_g.bytes(max_rows) / 4);
-  std::vector<float> g_in(g_floats), g_out(g_floats);
+  auto mem = std::make_unique<Buffers>(fmt_kv.bytes(max_rows), fmt_g.bytes(max_rows) / 4);
+  const LeakOnThrow keep(mem);
+  std::vector<char>* buf = mem->kv;
+  std::vector<float>&g_in = mem->g_in, &g_out = mem->g_out;
   pack_kv(fmt_kv, k, v, buf[0].data());
 
   RingStats st;
@@ -291,24 +343,60 @@ SdpaGrads ring_attention_backward(const TensorView& dout, const TensorView& q, c
   int cur = 0;
   const int next = (r + 1) % P, prev = (r + P - 1) % P;
   std::vector<MPI_Request> g_recv, g_send;
+  // This rank's own dK/dV come back, in chunks, after the last step: receives posted now.
+  const int64_t Lr = k.size(-2);
+  const std::vector<std::pair<int64_t, int64_t>> own_chunks = final_chunks(Lr);
+  mem->fin_in.reserve(own_chunks.size());
+  mem->fin_out.reserve(4);
+  std::vector<MPI_Request> fin_recv, fin_send;
+  for (size_t c = 0; c < own_chunks.size(); ++c) {
+    const int64_t m = own_chunks[c].second - own_chunks[c].first;
+    mem->fin_in.emplace_back(static_cast<size_t>(fmt_g.bytes(m) / 4));
+    comm.irecv(mem->fin_in.back().data(), fmt_g.bytes(m), prev, 2 * P + static_cast<int>(c), fin_recv);
+  }
   for (int s = 0; s < P; ++s) {
     const int src = (r - s + P) % P;
     const int64_t n_src = detail::rows_of(L, P, src, ring.layout);
+    const bool last = s == P - 1;
     std::vector<MPI_Request> reqs;
     post_kv(comm, fmt_kv, L, ring.layout, s, buf[cur].data(), buf[1 - cur].data(), reqs, st);
     const double c0 = detail::cpu_seconds();
     const TensorView kb = fmt_kv.k(buf[cur].data(), n_src), vb = fmt_kv.v(buf[cur].data(), n_src);
+    // The partial dK/dV that came with the block (from the previous ranks' steps).
+    const TensorView gk_in = fmt_g.k(g_in.data(), n_src), gv_in = fmt_g.v(g_in.data(), n_src);
     Tensor dk_view(with_rows(fmt_g.k_shape, n_src)), dv_view(with_rows(fmt_g.v_shape, n_src));
-    for_each_block(comm, my, L, src, options, ring, {&reqs, &g_recv, &g_send}, [&](const Piece& sub, const Piece& kp) {
-      const int64_t n = sub.end - sub.begin, kn = kp.end - kp.begin;
-      const SdpaSaved saved(fwd.output.slice(-2, sub.row, sub.row + n), fwd.lse.slice(-1, sub.row, sub.row + n));
-      const SdpaGrads g = scaled_dot_product_attention_backward(
-          dout.slice(-2, sub.row, sub.row + n), q.slice(-2, sub.row, sub.row + n), kb.slice(-2, kp.row, kp.row + kn),
-          vb.slice(-2, kp.row, kp.row + kn), saved, detail::block_options(options, sub, kp));
-      detail::add_rows(dq, sub.row, g.grad_query);
-      detail::add_rows(dk_view, kp.row, g.grad_key);
-      detail::add_rows(dv_view, kp.row, g.grad_value);
-    });
+    const auto chunks = last ? final_chunks(n_src) : std::vector<std::pair<int64_t, int64_t>>{{0, n_src}};
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const auto [k0, k1] = chunks[c];
+      for_each_block(comm, my, L, src, options, ring, {&reqs, &g_recv, &g_send, &fin_recv, &fin_send},
+                     [&](const Piece& sub, const Piece& kp) {
+        const int64_t n = sub.end - sub.begin, kn = kp.end - kp.begin;
+        const SdpaSaved saved(fwd.output.slice(-2, sub.row, sub.row + n), fwd.lse.slice(-1, sub.row, sub.row + n));
+        const SdpaGrads g = scaled_dot_product_attention_backward(
+            dout.slice(-2, sub.row, sub.row + n), q.slice(-2, sub.row, sub.row + n), kb.slice(-2, kp.row, kp.row + kn),
+            vb.slice(-2, kp.row, kp.row + kn), saved, detail::block_options(options, sub, kp));
+        detail::add_rows(dq, sub.row, g.grad_query);
+        detail::add_rows(dk_view, kp.row, g.grad_key);
+        detail::add_rows(dv_view, kp.row, g.grad_value);
+      }, k0, k1);
+      if (!last) continue;
+      // Rows [k0, k1) of the block are final: to their owner, rank r + 1.
+      const double w = detail::now_seconds();
+      comm.wait(g_recv, fmt::format("the dK/dV partial of rank {} (last ring step)", prev));
+      st.wait += detail::now_seconds() - w;
+      const int64_t m = k1 - k0;
+      mem->fin_out.emplace_back(static_cast<size_t>(fmt_g.bytes(m) / 4));
+      void* chunk = mem->fin_out.back().data();
+      Tensor ck = dk_view.slice(-2, k0, k1).contiguous(), cv = dv_view.slice(-2, k0, k1).contiguous();
+      if (s > 0) {
+        detail::add_rows(ck, 0, gk_in.slice(-2, k0, k1).contiguous());
+        detail::add_rows(cv, 0, gv_in.slice(-2, k0, k1).contiguous());
+      }
+      detail::copy_rows(ck, fmt_g.k(chunk, m));
+      detail::copy_rows(cv, fmt_g.v(chunk, m));
+      comm.isend(chunk, fmt_g.bytes(m), next, 2 * P + static_cast<int>(c), fin_send);
+      st.bytes_sent += fmt_g.bytes(m);
+    }
     const double w1 = detail::now_seconds();
     st.compute_cpu += detail::cpu_seconds() - c0;
     const std::string what = fmt::format("the K/V block and dK/dV of rank {} (ring step {} of {})", prev, s + 1, P);
@@ -316,27 +404,30 @@ SdpaGrads ring_attention_backward(const TensorView& dout, const TensorView& q, c
     comm.wait(g_recv, what);
     comm.wait(g_send, what);
     st.wait += detail::now_seconds() - w1;
-    // g_out = this step's contributions (+ the partial that came with the block).
+    if (last) break;
+    // g_out = this step's contributions + the partial that came with the block, to rank r + 1;
+    // the next block's partial comes from rank r - 1.
     const int64_t nk = dk_view.numel(), nv = dv_view.numel();
     for (int64_t i = 0; i < nk; ++i) g_out[static_cast<size_t>(i)] = dk_view.data()[i] + (s > 0 ? g_in[static_cast<size_t>(i)] : 0.0f);
     for (int64_t i = 0; i < nv; ++i) g_out[static_cast<size_t>(nk + i)] = dv_view.data()[i] + (s > 0 ? g_in[static_cast<size_t>(nk + i)] : 0.0f);
     comm.isend(g_out.data(), (nk + nv) * 4, next, 2 * s + 1, g_send);
     st.bytes_sent += (nk + nv) * 4;
-    // What comes back: the partial of the next block, or after the last step this rank's own sums.
     const int nsrc = (r - s - 1 + 2 * P) % P;
     comm.irecv(g_in.data(), fmt_g.bytes(detail::rows_of(L, P, nsrc, ring.layout)), prev, 2 * s + 1, g_recv);
     cur = 1 - cur;
   }
   const double w2 = detail::now_seconds();
-  comm.wait(g_recv, "this rank's dK/dV at the end of the ring");
-  comm.wait(g_send, "the last dK/dV send");
+  comm.wait(fin_recv, "this rank's dK/dV at the end of the ring");
+  comm.wait(fin_send, "the last dK/dV sends");
   st.wait += detail::now_seconds() - w2;
 
   SdpaGrads out;
-  const int64_t Lr = k.size(-2);
   Tensor dk(with_rows(fmt_g.k_shape, Lr)), dv(with_rows(fmt_g.v_shape, Lr));
-  std::memcpy(dk.data(), g_in.data(), static_cast<size_t>(dk.numel()) * 4);
-  std::memcpy(dv.data(), g_in.data() + dk.numel(), static_cast<size_t>(dv.numel()) * 4);
+  for (size_t c = 0; c < own_chunks.size(); ++c) {
+    const auto [a, b] = own_chunks[c];
+    detail::copy_rows(fmt_g.k(mem->fin_in[c].data(), b - a), dk.slice(-2, a, b));
+    detail::copy_rows(fmt_g.v(mem->fin_in[c].data(), b - a), dv.slice(-2, a, b));
+  }
   out.grad_query = q.dtype() == DType::kFloat32 ? dq : dq.to(q.dtype());
   out.grad_key = k.dtype() == DType::kFloat32 ? dk : dk.to(k.dtype());
   out.grad_value = v.dtype() == DType::kFloat32 ? dv : dv.to(v.dtype());

@@ -93,10 +93,22 @@ Agreement check_ring_args(const TensorView& q, const TensorView& k, const Tensor
   if (q.dtype() == DType::kFloat64) {
     throw DTypeError(fmt::format("{}: query, key and value must be float32, bfloat16 or float16, got float64", who));
   }
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+    // (A single call takes float32 queries with 16-bit keys for decoding; a ring's blocks are not
+    // all decode-sized, so their kernels would refuse some of them midway.)
+    throw DTypeError(fmt::format("{}: query, key and value must share one dtype, got {}, {} and {}", who,
+                                 dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype())));
+  }
   if (ring.progress_rows < 1) throw ValueError(fmt::format("{}: progress_rows must be >= 1, got {}", who, ring.progress_rows));
   // Everything else as scaled_dot_product_attention checks it, on this rank's rows (a rank with
   // no rows, when L < 2P, has nothing to check: the signature still compares its other dims).
   if (q.size(-2) > 0) (void)::attn::detail::check_sdpa(q, k, v, o);
+  // A named kernel must take the blocks too (a decode kernel refuses pieces of more than 16
+  // rows): asked here, so that a refusal is every rank's error and not one rank's, midway.
+  if (q.size(-2) > 0 && k.size(-2) > 0 && !o.kernel.empty()) {
+    Piece first{0, std::min(ring.progress_rows, q.size(-2)), 0}, keys{0, k.size(-2), 0};
+    (void)sdpa_kernel_name(q.slice(-2, 0, first.end), k, v, block_options(o, first, keys));
+  }
   Agreement a;
   a.len_q = q.size(-2);
   a.len_k = k.size(-2);
@@ -113,11 +125,23 @@ Agreement check_ring_args(const TensorView& q, const TensorView& k, const Tensor
   return a;
 }
 
-void check_ring_backward_args(const TensorView& dout, const SdpaSaved& fwd, const TensorView& q,
-                              const TensorView& k, const TensorView& v, const SdpaOptions& o) {
-  if (q.size(-2) == 0) return;
-  const ::attn::detail::SdpaProblem p = ::attn::detail::check_sdpa(q, k, v, o);
-  ::attn::detail::check_sdpa_backward(dout, fwd, o, p);
+std::string check_ring_backward_args(const TensorView& dout, const SdpaSaved& fwd, const TensorView& q,
+                                     const TensorView& k, const TensorView& v, const SdpaOptions& o, const char* who) {
+  const std::pair<const TensorView*, const char*> ts[] = {{&dout, "grad_output"}, {&fwd.output, "forward.output"},
+                                                          {&fwd.lse, "forward.lse"}};
+  for (const auto& [t, name] : ts) {
+    if (!t->defined() || t->dim() < (t == &fwd.lse ? 1 : 2)) {
+      throw ShapeError(fmt::format("{}: {} must be this rank's rows of the forward's (run the forward with need_lse)", who, name));
+    }
+  }
+  if (q.size(-2) > 0) {
+    const ::attn::detail::SdpaProblem p = ::attn::detail::check_sdpa(q, k, v, o);
+    ::attn::detail::check_sdpa_backward(dout, fwd, o, p);
+  }
+  // What a rank without rows cannot check itself: the others compare it.
+  return fmt::format(", grad_output {} {}, forward.output {} {}, forward.lse {} dims {}", shape_without_rows(dout),
+                     dtype_name(dout.dtype()), shape_without_rows(fwd.output), dtype_name(fwd.output.dtype()),
+                     fwd.lse.dim(), dtype_name(fwd.lse.dtype()));
 }
 
 Tensor sinks_grad(const Comm& comm, const TensorView& dout, const SdpaSaved& fwd, const TensorView& sinks) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "attn/dist.hpp"
@@ -28,8 +29,10 @@ SdpaOptions block_options(const SdpaOptions& o, const Piece& q, const Piece& k);
 // rank must share; throws attn errors (local_check turns them into the Agreement's error).
 Agreement check_ring_args(const TensorView& q, const TensorView& k, const TensorView& v,
                           const SdpaOptions& o, const RingOptions& ring, const char* who);
-void check_ring_backward_args(const TensorView& dout, const SdpaSaved& fwd, const TensorView& q,
-                              const TensorView& k, const TensorView& v, const SdpaOptions& o);
+// The backward's own checks; returns what must also agree across ranks (grad_output and the
+// saved forward's shapes without the rows, dtypes).
+std::string check_ring_backward_args(const TensorView& dout, const SdpaSaved& fwd, const TensorView& q,
+                                     const TensorView& k, const TensorView& v, const SdpaOptions& o, const char* who);
 
 // d(sinks)_h = -sum over every rank's rows of head h of exp(s_h - lse) * rowsum(dO * O).
 Tensor sinks_grad(const Comm& comm, const TensorView& dout, const SdpaSaved& fwd, const TensorView& sinks);

@@ -1,4 +1,4 @@
-// Ring attention on however many ranks mpirun started (ctest runs P = 1, 2, 3, 4): every rank
+// Ring (and Ulysses) attention on however many ranks mpirun started (ctest runs P = 1, 2, 3, 4): every rank
 // makes the same global q, k, v, dO from one seed, takes its shard, runs the ring forward and
 // backward, and gathers the results. They must match float64 maths on the gathered inputs
 // within 2x the error of the single-process fused kernel (plus a floor at the dtype's rounding),
@@ -39,6 +39,7 @@ struct Case {
   bool causal = false, dropout = false, variants = false;
   Layout layout = Layout::kContiguous;
   DType dtype = DType::kFloat32;
+  bool ulysses = false;  // ulysses_attention instead of ring_attention
 };
 
 SdpaOptions options_of(const Case& c, const Tensor& slopes, const Tensor& sinks) {
@@ -67,6 +68,21 @@ double max_err(const Tensor& got, const std::vector<double>& want) {
   return e;
 }
 
+// Bad input on one rank: every rank throws the same typed error before any transfer.
+template <typename E>
+void expect_everywhere(const char* what, const std::function<void()>& call, const std::string& needle) {
+  bool thrown = false;
+  std::string msg;
+  try {
+    call();
+  } catch (const E& e) {
+    thrown = true;
+    msg = e.what();
+  }
+  EXPECT_TRUE(thrown) << what << ": no " << typeid(E).name() << " on rank " << rank();
+  EXPECT_NE(msg.find(needle), std::string::npos) << what << ": " << msg;
+}
+
 void run_case(const Case& c) {
   SCOPED_TRACE(c.name);
   const int P = world(), r = rank();
@@ -92,10 +108,17 @@ void run_case(const Case& c) {
   ring.timeout_seconds = 120;
   const Tensor ql = shard(q, P, r, c.layout), kl = shard(k, P, r, c.layout), vl = shard(v, P, r, c.layout);
   const Tensor dl = shard(dout, P, r, c.layout);
-  const SdpaResult res = ring_attention(ql, kl, vl, MPI_COMM_WORLD, ol, ring);
+  if (c.ulysses && (c.Hq % P != 0 || c.Hkv % P != 0)) {
+    expect_everywhere<ValueError>("heads not divisible by P",
+                                  [&] { ulysses_attention(ql, kl, vl, MPI_COMM_WORLD, ol, ring); }, "divisible");
+    return;
+  }
+  const auto fwd = c.ulysses ? &ulysses_attention : &ring_attention;
+  const auto bwd = c.ulysses ? &ulysses_attention_backward : &ring_attention_backward;
+  const SdpaResult res = fwd(ql, kl, vl, MPI_COMM_WORLD, ol, ring);
   ASSERT_EQ(res.output.shape(), Shape({c.B, c.Hq, ql.size(-2), c.E}));
   ASSERT_EQ(res.output.dtype(), c.dtype);
-  const SdpaGrads g = ring_attention_backward(dl, ql, kl, vl, res, MPI_COMM_WORLD, ol, ring);
+  const SdpaGrads g = bwd(dl, ql, kl, vl, res, MPI_COMM_WORLD, ol, ring);
 
   const double floor = c.dtype == DType::kFloat32 ? 2e-6 : 8e-3;
   const auto expect_close = [&](const char* what, const Tensor& local, const Tensor& single, const std::vector<double>& truth) {
@@ -151,6 +174,22 @@ std::vector<Case> cases() {
   Case big;  // blocks of many rows per rank: the fused kernels' own tiling, not only tiny tails
   big.name = "causal_zigzag_L301_E64", big.causal = true, big.layout = Layout::kZigzag, big.L = 301, big.E = 64, big.B = 2;
   out.push_back(big);
+  // Ulysses: 12 heads divide P = 1 to 4; 6 key/value heads do not divide 4 (a ValueError there).
+  for (bool causal : {false, true}) {
+    for (Layout layout : {Layout::kContiguous, Layout::kZigzag}) {
+      Case u;
+      u.ulysses = true, u.causal = causal, u.layout = layout, u.Hq = u.Hkv = 12, u.L = 37;
+      u.name = std::string("ulysses_") + (causal ? "causal" : "full") + (layout == Layout::kZigzag ? "_zigzag" : "_contiguous") + "_L37";
+      out.push_back(u);
+    }
+  }
+  Case ug;
+  ug.ulysses = true, ug.causal = true, ug.variants = true, ug.Hq = 12, ug.Hkv = 6, ug.L = 43, ug.layout = Layout::kZigzag;
+  ug.name = "ulysses_causal_zigzag_gqa_window_alibi_softcap_sinks_L43";
+  out.push_back(ug);
+  Case ub = ug;
+  ub.variants = false, ub.dtype = DType::kBFloat16, ub.E = 32, ub.name = "ulysses_causal_zigzag_gqa_bf16_L43";
+  out.push_back(ub);
   Case few;  // fewer tokens than 2P chunks: some ranks hold no rows
   few.name = "causal_zigzag_L3", few.causal = true, few.layout = Layout::kZigzag, few.L = 3;
   out.push_back(few);
@@ -159,21 +198,6 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Dist, RingCases, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
-
-// Bad input on one rank: every rank throws the same typed error before any transfer.
-template <typename E>
-void expect_everywhere(const char* what, const std::function<void()>& call, const std::string& needle) {
-  bool thrown = false;
-  std::string msg;
-  try {
-    call();
-  } catch (const E& e) {
-    thrown = true;
-    msg = e.what();
-  }
-  EXPECT_TRUE(thrown) << what << ": no " << typeid(E).name() << " on rank " << rank();
-  EXPECT_NE(msg.find(needle), std::string::npos) << what << ": " << msg;
-}
 
 TEST(DistErrors, BadShapeOnOneRankIsTheSameShapeErrorOnEveryRank) {
   const int P = world(), r = rank(), bad = P - 1;
@@ -226,6 +250,46 @@ TEST(DistErrors, RefusedOptionsNameTheOption) {
   RingOptions bad;
   bad.progress_rows = 0;
   expect_everywhere<ValueError>("progress_rows", [&] { ring_attention(q, q, q, MPI_COMM_WORLD, {}, bad); }, "progress_rows");
+}
+
+TEST(DistErrors, ArgumentsOnlyOneRankGetsWrongAreEveryRanksError) {
+  const int P = world(), r = rank(), bad = P - 1;
+  manual_seed(1);
+  const Tensor q = randn({1, 2, 40, 8});
+  // A bad timeout on one rank: the others must not sit out their own timeout.
+  RingOptions t;
+  t.timeout_seconds = r == bad ? -1.0 : 30.0;
+  expect_everywhere<ValueError>("timeout", [&] { ring_attention(q, q, q, MPI_COMM_WORLD, {}, t); }, "timeout_seconds");
+  // float32 queries with bfloat16 keys (a decode-only mix) on one rank.
+  const Tensor kb = r == bad ? q.to(DType::kBFloat16) : q;
+  expect_everywhere<DTypeError>("mixed dtypes", [&] { ring_attention(q, kb, kb, MPI_COMM_WORLD); }, "share one dtype");
+  // A named kernel that would refuse the ring's blocks (decode kernels take at most 16 rows).
+  SdpaOptions k;
+  k.kernel = "cpu.decode.generic";
+  expect_everywhere<ValueError>("decode kernel", [&] { ring_attention(q, q, q, MPI_COMM_WORLD, k); }, "cpu.decode.generic");
+}
+
+TEST(DistErrors, ForwardOnOneRankAndBackwardOnAnotherIsAValueError) {
+  const int P = world(), r = rank();
+  if (P < 2) GTEST_SKIP() << "needs 2 ranks";
+  manual_seed(1);
+  const Tensor q = randn({1, 2, 6, 8});
+  SdpaOptions o;
+  o.need_lse = true;
+  const SdpaResult f = scaled_dot_product_attention(q, q, q, o);  // shapes only: the call is refused
+  expect_everywhere<ValueError>("forward vs backward", [&] {
+    if (r == 1) (void)ring_attention_backward(q, q, q, q, f, MPI_COMM_WORLD, o);
+    else (void)ring_attention(q, q, q, MPI_COMM_WORLD, o);
+  }, "rank 1");
+}
+
+TEST(DistErrors, UlyssesRefusesDropoutOnEveryRank) {
+  manual_seed(1);
+  const Tensor q = randn({1, 12, 4, 8});
+  SdpaOptions d;
+  d.dropout_p = 0.1f;
+  d.dropout_rng = DropoutRng::kPhilox;
+  expect_everywhere<ValueError>("dropout", [&] { ulysses_attention(q, q, q, MPI_COMM_WORLD, d); }, "ring_attention");
 }
 
 // Run only by its own ctest (2 ranks): rank 1 stalls past rank 0's timeout. Rank 0 must give up
