@@ -43,13 +43,17 @@ if(ATTN_BUILD_TESTS)
   # A peer that stalls: the other rank ends with CommError within its timeout (2 ranks, ~8 s).
   add_test(NAME Dist.StalledPeerTimesOut
            COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:attn_dist_tests>
-                   --gtest_also_run_disabled_tests --gtest_filter=DistFaults.*)
+                   --gtest_also_run_disabled_tests --gtest_filter=DistStall.*)
+  # A peer that dies: mpirun must end (non-zero) rather than hang (124: `timeout` stopped it).
+  add_test(NAME Dist.DeadPeerEndsTheJob
+           COMMAND sh -c "timeout 120 \"$0\" -np 2 \"$1\" --gtest_also_run_disabled_tests --gtest_filter=DistFaults.*; rc=$?; echo \"mpirun exit code $rc\"; [ $rc -ne 0 ] && [ $rc -ne 124 ]"
+                   ${MPIEXEC_EXECUTABLE} $<TARGET_FILE:attn_dist_tests>)
   # Ranks in separate network namespaces, over a real (rate-limited) TCP path; needs root and
   # iproute2, else skipped with the reason printed (exit 77).
   add_test(NAME Dist.RingAttention.netns3
            COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/scripts/mpirun_netns.sh --rate 1gbit -np 3 --
                    $<TARGET_FILE:attn_dist_tests>)
-  set_tests_properties(Dist.StalledPeerTimesOut Dist.RingAttention.netns3 PROPERTIES
+  set_tests_properties(Dist.StalledPeerTimesOut Dist.DeadPeerEndsTheJob Dist.RingAttention.netns3 PROPERTIES
     ENVIRONMENT "${ATTN_MPI_ENV};OMP_NUM_THREADS=1" TIMEOUT 600 RUN_SERIAL TRUE LABELS dist SKIP_RETURN_CODE 77)
 endif()
 
