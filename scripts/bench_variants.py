@@ -139,6 +139,30 @@ def varlen_rows(attn: Path, quick: bool, threads: int) -> tuple[list[str], bool]
     return lines, ok
 
 
+def previous_parts(section: str, titles: dict[str, str]) -> dict[str, list[str]]:
+    """The tables of an existing Variants section by part, so that --skip keeps them."""
+    parts, name = {}, None
+    by_title = {f"### {t}": n for n, t in titles.items()}
+    for line in section.splitlines():
+        if line.startswith("### "):
+            name = by_title.get(line.strip())
+            if name:
+                parts[name] = []
+        elif name and not line.startswith("(kept from"):
+            parts[name].append(line)
+        if line.startswith("<!--"):
+            name = None
+    return {n: _trim(lines) for n, lines in parts.items()}
+
+
+def _trim(lines: list[str]) -> list[str]:
+    while lines and not lines[0].strip():
+        lines = lines[1:]
+    while lines and not lines[-1].strip():
+        lines = lines[:-1]
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attn", type=Path, default=ROOT / "build" / "attn")
@@ -146,37 +170,41 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", type=Path, default=ROOT / "docs" / "PERFORMANCE.md")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: overhead,window,varlen")
+    p.add_argument("--skip", default="",
+                   help="comma list of parts to skip: overhead,window,varlen (their last tables are kept)")
     a = p.parse_args()
     if not a.attn.exists():
         print(f"bench_variants: {a.attn} not found (build first)", file=sys.stderr)
         return 2
     skip = set(filter(None, a.skip.split(",")))
     cpu = bench(a.attn, ["--peak-only", "--threads", str(a.threads)])
+    titles = {"overhead": "Cost of each option over the plain fused kernel (B=1 H=12 L=4096; time ratio, target <= 1.10, softcap <= 1.15)",
+              "window": "Sliding window at long context", "varlen": "Varlen against padding"}
+    text = a.output.read_text() if a.output.exists() else ""
+    start, end = text.find(BEGIN), text.find(END)
+    kept = previous_parts(text[start:end] if 0 <= start < end else "", titles)
     parts, ok = [], True
     for name, fn in (("overhead", lambda: overhead_rows(a.attn, a.quick, a.rounds, a.threads)),
                      ("window", lambda: window_rows(a.attn, a.quick, a.threads)),
                      ("varlen", lambda: varlen_rows(a.attn, a.quick, a.threads))):
         if name in skip:
+            if name in kept and not a.quick:  # the last run's table stays, marked as such
+                parts.append((name, ["(kept from the previous run of this script)", "", *kept[name]]))
             continue
         print(f"== {name}", flush=True)
         lines, good = fn()
         ok = ok and good
-        parts.append((name, lines))
-    titles = {"overhead": "Cost of each option over the plain fused kernel (B=1 H=12 L=4096; time ratio, target <= 1.10, softcap <= 1.15)",
-              "window": "Sliding window at long context", "varlen": "Varlen against padding"}
+        parts.append((name, [f"{a.rounds} interleaved rounds.", "", *lines] if name == "overhead" else lines))
     body = [BEGIN, "## Variants (issue 15)", "",
-            f"`scripts/bench_variants.py` ({a.threads} threads, {a.rounds} interleaved rounds; CPU: {cpu_model()}; "
+            f"`scripts/bench_variants.py` ({a.threads} threads; CPU: {cpu_model()}; "
             f"FMA peak {cpu.get('peak_gflops', 0):.0f} GFLOP/s measured in the same run).", ""]
     for name, lines in parts:
-        body += [f"### {titles[name]}", "", *lines, ""]
+        body += [f"### {titles[name]}", "", *_trim(lines), ""]
     body.append(END)
     section = "\n".join(body) + "\n"
     if a.quick:
         print(section)
         return 0 if ok else 1
-    text = a.output.read_text() if a.output.exists() else ""
-    start, end = text.find(BEGIN), text.find(END)
     if start >= 0 and end > start:
         text = text[:start] + section + text[end + len(END) + 1:]
     else:

@@ -6,6 +6,7 @@
 #include "attn/gpt.hpp"
 #include "attn/gpt_train.hpp"
 #include "attn/kv_cache.hpp"
+#include "attn/memory.hpp"
 #include "attn/modules.hpp"
 #include "attn/multihead.hpp"
 #include "attn/optim.hpp"

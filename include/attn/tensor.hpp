@@ -16,6 +16,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -148,6 +149,7 @@ class Tensor : public TensorView {
 
  private:
   struct FreeAligned {
+    std::size_t capacity;  // the block's bytes, for the reuse cache (attn/memory.hpp)
     void operator()(void* p) const;
   };
   std::unique_ptr<void, FreeAligned> storage_;

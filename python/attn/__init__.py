@@ -26,6 +26,8 @@ from ._attn import (  # noqa: F401
     MultiHeadAttentionWrapper,
     SelfAttentionV1,
     SelfAttentionV2,
+    cache_stats,
+    empty_cache,
     load_file,
     load_metadata,
     manual_seed,
@@ -33,6 +35,7 @@ from ._attn import (  # noqa: F401
     randn,
     save_file,
     sdpa_kernels,
+    set_cache_limit,
 )
 
 __version__ = "0.1.0"
@@ -41,7 +44,7 @@ __all__ = [
     "CausalAttention", "Dropout", "Embedding", "FormatError", "Linear", "Module",
     "MultiheadAttention", "MultiHeadAttention", "MultiHeadAttentionWrapper", "SelfAttentionV1",
     "SelfAttentionV2", "load_file", "load_metadata", "manual_seed", "rand", "randn", "save_file",
-    "scaled_dot_product_attention", "sdpa_kernels",
+    "scaled_dot_product_attention", "sdpa_kernels", "cache_stats", "set_cache_limit", "empty_cache",
 ]
 
 

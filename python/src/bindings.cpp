@@ -288,6 +288,24 @@ its uint16 bits.)");
 
   bind_torch_ops(m);
 
+  m.def("cache_stats", [] {
+    const CacheStats c = cache_stats();
+    nb::dict d;
+    d["limit_bytes"] = c.limit_bytes;
+    d["cached_bytes"] = c.cached_bytes;
+    d["cached_blocks"] = c.cached_blocks;
+    d["hits"] = c.hits;
+    d["misses"] = c.misses;
+    return d;
+  }, R"(The reuse cache of freed tensor blocks of 1 MiB or more (attn/memory.hpp), as a dict:
+limit_bytes, cached_bytes, cached_blocks, and the hits and misses of large allocations so far.)");
+  m.def("set_cache_limit", [](int64_t bytes) {
+    if (bytes < 0) throw ValueError("set_cache_limit: bytes must be >= 0, got " + std::to_string(bytes));
+    set_cache_limit(static_cast<std::size_t>(bytes));
+  }, "bytes"_a, "How many bytes of freed tensor blocks may be kept for reuse (0 turns the cache off); frees the oldest beyond it.");
+  m.def("empty_cache", [] { empty_cache(); },
+        "Frees every kept tensor block (torch.cuda.empty_cache()'s name); the limit stays.");
+
   m.def("manual_seed", [](uint64_t seed) {
     std::lock_guard<std::mutex> lock(rng_mutex);
     manual_seed(seed);

@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "attn/error.hpp"
+#include "core/allocator.hpp"
 #include "core/convert.hpp"
 
 namespace attn {
@@ -374,7 +375,7 @@ std::vector<double> TensorView::to_double_vector() const {
 
 // ---- Tensor -----------------------------------------------------------------------------------
 
-void Tensor::FreeAligned::operator()(void* p) const { std::free(p); }
+void Tensor::FreeAligned::operator()(void* p) const { detail::free_block(p, capacity); }
 
 Tensor Tensor::empty(Shape shape, DType dtype) {
   const int64_t n = shape.numel();
@@ -384,14 +385,14 @@ Tensor Tensor::empty(Shape shape, DType dtype) {
   if (n > max_elems) {
     throw ValueError(fmt::format("Tensor: shape {} needs more memory than can be addressed", shape.str()));
   }
-  // Round up so aligned_alloc's size is a multiple of the alignment; never allocate 0 bytes.
-  const size_t bytes = static_cast<size_t>(((std::max<int64_t>(n, 1) * item + kAlign - 1) / kAlign) * kAlign);
-  void* p = std::aligned_alloc(kAlign, bytes);
-  if (p == nullptr) {
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1) * item);  // never 0 bytes
+  const detail::Block block = detail::allocate_block(bytes);  // large blocks reused (attn/memory.hpp)
+  if (block.ptr == nullptr) {
     throw Error(fmt::format("Tensor: allocation of {} bytes for shape {} failed", bytes, shape.str()));
   }
+  void* p = block.ptr;
   Tensor t;
-  t.storage_.reset(p);
+  t.storage_ = std::unique_ptr<void, FreeAligned>(p, FreeAligned{block.capacity});
   static_cast<TensorView&>(t) = TensorView(p, dtype, shape);
   return t;
 }

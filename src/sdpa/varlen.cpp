@@ -10,6 +10,7 @@
 // the Philox counters of batch element n of the padded (N, H, max_q, max_k) call.
 #include "attn/varlen.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <fmt/format.h>
@@ -256,6 +257,12 @@ void scatter_rows(const Tensor& block, Tensor& dst, int64_t row0, int threads) {
   }
 }
 
+// Zeroes rows [row0, row0 + rows) of a contiguous token-major tensor.
+void zero_rows(Tensor& t, int64_t row0, int64_t rows) {
+  const int64_t row_bytes = t.numel() / std::max<int64_t>(1, t.size(0)) * t.element_size();
+  std::memset(static_cast<std::byte*>(t.raw_data()) + row0 * row_bytes, 0, static_cast<size_t>(rows * row_bytes));
+}
+
 // Copies a (1, H, rows) LSE block into columns [col0, col0 + rows) of the (H, total_q) `lse`.
 void scatter_lse(const Tensor& block, Tensor& lse, int64_t col0) {
   Tensor owned;
@@ -320,7 +327,10 @@ SdpaResult varlen_attn(const TensorView& query, const TensorView& key, const Ten
   const VarlenPlan plan = make_plan(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, options, kForward);
   SdpaResult result;
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-  result.output = Tensor::zeros({plan.total_q, plan.H, plan.Ev}, query.dtype());
+  result.output = Tensor::empty({plan.total_q, plan.H, plan.Ev}, query.dtype());
+  for (int64_t n = 0; n < plan.N; ++n) {  // rows no kernel writes: sequences without keys
+    if (plan.kernels[static_cast<size_t>(n)] == nullptr) zero_rows(result.output, plan.seqs[static_cast<size_t>(n)].q0, plan.seqs[static_cast<size_t>(n)].L);
+  }
   if (options.need_lse) {
     result.lse = Tensor::empty({plan.H, plan.total_q}, lse_dtype(query.dtype()));
     if (result.lse.dtype() == DType::kFloat64) {
@@ -350,17 +360,30 @@ SdpaGrads varlen_attn_backward(const TensorView& grad_output, const TensorView& 
   check_backward(grad_output, forward, query, plan);
   SdpaGrads g;
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-  g.grad_query = Tensor::zeros(query.shape(), query.dtype());
-  g.grad_key = Tensor::zeros(key.shape(), key.dtype());
-  g.grad_value = Tensor::zeros(value.shape(), value.dtype());
+  // Every row is written once: by its sequence's scatter, or zeroed below when the sequence has no
+  // queries or no keys. A whole-tensor memset first cost a serial pass over fresh pages.
+  g.grad_query = Tensor::empty(query.shape(), query.dtype());
+  g.grad_key = Tensor::empty(key.shape(), key.dtype());
+  g.grad_value = Tensor::empty(value.shape(), value.dtype());
+  for (int64_t n = 0; n < plan.N; ++n) {
+    const size_t i = static_cast<size_t>(n);
+    if (plan.kernels[i] != nullptr) continue;
+    const Sequence& s = plan.seqs[i];
+    zero_rows(g.grad_query, s.q0, s.L);
+    zero_rows(g.grad_key, s.k0, s.S);
+    zero_rows(g.grad_value, s.k0, s.S);
+  }
   std::vector<double> dsinks(options.sinks ? static_cast<size_t>(plan.H) : 0, 0.0);
   for (int64_t n = 0; n < plan.N; ++n) {
     const size_t i = static_cast<size_t>(n);
     if (plan.kernels[i] == nullptr) continue;
     const Sequence& s = plan.seqs[i];
-    SdpaResult fwd;
-    fwd.output = cpu::copy_rows(sequence_view(forward.output, s.q0, s.L), threads);
-    fwd.lse = forward.lse.slice(1, s.q0, s.q0 + s.L).unsqueeze(0).contiguous();
+    // The saved output is read in place (the kernels take any row stride); the LSE, a few KiB,
+    // is gathered.
+    SdpaSaved fwd;
+    fwd.output = sequence_view(forward.output, s.q0, s.L);
+    Tensor lse = forward.lse.slice(1, s.q0, s.q0 + s.L).unsqueeze(0).contiguous();
+    fwd.lse = lse;
     const SdpaGrads sg = plan.kernels[i]->backward(
         sequence_view(grad_output, s.q0, s.L), sequence_view(query, s.q0, s.L),
         sequence_view(key, s.k0, s.S), sequence_view(value, s.k0, s.S), fwd, options, plan.problems[i]);

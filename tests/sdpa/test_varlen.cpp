@@ -11,6 +11,7 @@
 // 3. Bit-identical for 1 and 2 threads; bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -528,6 +529,48 @@ TEST(Varlen, BadInput) {
                            "need_lse", "missing lse");
   expect_error<ValueError>([&] { (void)varlen_attn_backward(p.dout, p.q, p.k, p.v, cq, p.cu_k, p.max_q, p.max_k, r, o); },
                            "cu_seq_q", "backward cu_seq_q");
+}
+
+// Rows no kernel writes (a sequence without keys: output and dQ; without queries: dK, dV) are
+// zeroed explicitly, not left to fresh memory: here every output block is reused from the tensor
+// cache (attn/memory.hpp) after holding NaN.
+TEST(Varlen, RowsWithoutAKernelAreZeroInReusedMemory) {
+  const std::size_t saved = cache_stats().limit_bytes;
+  set_cache_limit(std::size_t{256} << 20);
+  empty_cache();
+  const int64_t H = 4, E = 64, T = 4096;  // (T, H, E) float32: 4 MiB, cached when freed
+  Generator gen(11);
+  const Tensor q = randn({T, H, E}, gen), k = randn({T, H, E}, gen), v = randn({T, H, E}, gen),
+               dout = randn({T, H, E}, gen);
+  Tensor cu_q = Tensor::empty({4}, DType::kInt32), cu_k = Tensor::empty({4}, DType::kInt32);
+  const int32_t cq[4] = {0, 3000, T, T}, ck[4] = {0, 0, 1096, T};  // (L, S): (3000, 0), (1096, 1096), (0, 3000)
+  for (int i = 0; i < 4; ++i) cu_q.data_as<int32_t>()[i] = cq[i], cu_k.data_as<int32_t>()[i] = ck[i];
+  std::vector<const void*> dirty_blocks;
+  {
+    std::vector<Tensor> dirty;
+    for (int i = 0; i < 8; ++i) {
+      dirty.push_back(Tensor::full({T, H, E}, NAN));
+      dirty_blocks.push_back(dirty.back().raw_data());
+    }
+  }
+  ASSERT_EQ(cache_stats().cached_blocks, 8u);
+  SdpaOptions o;
+  o.is_causal = true;
+  o.need_lse = true;
+  const SdpaResult r = varlen_attn(q, k, v, cu_q, cu_k, 3000, 3000, o);
+  const SdpaGrads g = varlen_attn_backward(dout, q, k, v, cu_q, cu_k, 3000, 3000, r, o);
+  for (const Tensor* t : {&r.output, &g.grad_query, &g.grad_key, &g.grad_value}) {  // all reused
+    EXPECT_NE(std::find(dirty_blocks.begin(), dirty_blocks.end(), t->raw_data()), dirty_blocks.end());
+  }
+  expect_all(r.output.slice(0, 0, 3000), 0.0, "output of the sequence without keys");
+  expect_all(g.grad_query.slice(0, 0, 3000), 0.0, "grad_query of the sequence without keys");
+  expect_all(g.grad_key.slice(0, 1096, T), 0.0, "grad_key of the sequence without queries");
+  expect_all(g.grad_value.slice(0, 1096, T), 0.0, "grad_value of the sequence without queries");
+  for (const Tensor* t : {&r.output, &g.grad_query, &g.grad_key, &g.grad_value}) {
+    for (int64_t i = 0; i < t->numel(); ++i) ASSERT_TRUE(std::isfinite(t->data()[i])) << i;
+  }
+  empty_cache();
+  set_cache_limit(saved);
 }
 
 }  // namespace
