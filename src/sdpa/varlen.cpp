@@ -328,8 +328,8 @@ SdpaResult varlen_attn(const TensorView& query, const TensorView& key, const Ten
   SdpaResult result;
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   result.output = Tensor::empty({plan.total_q, plan.H, plan.Ev}, query.dtype());
-  for (int64_t n = 0; n < plan.N; ++n) {  // rows no kernel writes: sequences without keys
-    if (plan.kernels[static_cast<size_t>(n)] == nullptr) zero_rows(result.output, plan.seqs[static_cast<size_t>(n)].q0, plan.seqs[static_cast<size_t>(n)].L);
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {  // rows no kernel writes: sequences without keys
+    if (plan.kernels[i] == nullptr) zero_rows(result.output, plan.seqs[i].q0, plan.seqs[i].L);
   }
   if (options.need_lse) {
     result.lse = Tensor::empty({plan.H, plan.total_q}, lse_dtype(query.dtype()));
