@@ -51,7 +51,7 @@ if(ATTN_BUILD_TESTS)
   # Ranks in separate network namespaces, over a real (rate-limited) TCP path; needs root and
   # iproute2, else skipped with the reason printed (exit 77).
   add_test(NAME Dist.RingAttention.netns3
-           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/scripts/mpirun_netns.sh --rate 1gbit -np 3 --
+           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/scripts/mpirun_netns.sh --rate 1gbit --launch-timeout 60 -np 3 --
                    $<TARGET_FILE:attn_dist_tests>)
   set_tests_properties(Dist.StalledPeerTimesOut Dist.DeadPeerEndsTheJob Dist.RingAttention.netns3 PROPERTIES
     ENVIRONMENT "${ATTN_MPI_ENV};OMP_NUM_THREADS=1" TIMEOUT 600 RUN_SERIAL TRUE LABELS dist SKIP_RETURN_CODE 77)

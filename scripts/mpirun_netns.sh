@@ -15,8 +15,12 @@
 #   --delay a netem qdisc on each namespace's egress (so RTT = 2 x DELAY).
 #   The program sees ATTN_NETNS=1. Everything is removed on exit.
 #
-# Usage: scripts/mpirun_netns.sh [--rate RATE] [--delay DELAY] -np N -- PROGRAM [ARGS...]
+# Usage: scripts/mpirun_netns.sh [--rate RATE] [--delay DELAY] [--launch-timeout S] -np N -- PROGRAM [ARGS...]
 #   RATE as tc writes it (10gbit, 1gbit, 500mbit), DELAY likewise (50us, 1ms); 2 <= N <= 4.
+#   --launch-timeout S: if the job has printed nothing S seconds after mpirun started, Open MPI's
+#   launch stalled (seen here about once in 20 runs, the job silent in MPI_Init until killed):
+#   say so, kill it, and launch once more. Only for programs that print as they start (a test
+#   binary), never for a benchmark that prints at its end.
 # Exit codes: the MPI program's exit code (as mpirun reports it); 2 on bad usage;
 #   77 (CTest SKIP_RETURN_CODE) with a "SKIP: reason" line when the host cannot
 #   build the namespaces/qdiscs (not root, no CAP_NET_ADMIN, no ip/tc/mpirun, no netem).
@@ -25,17 +29,18 @@ set -uo pipefail
 usage() { sed -n 's/^# Usage: //p' "$0" >&2; exit 2; }
 skip() { echo "SKIP: $*"; exit 77; }
 
-rate="" delay="" np=""
+rate="" delay="" np="" launch_timeout=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate) rate=${2:?}; shift 2 ;;
+    --launch-timeout) launch_timeout=${2:?}; shift 2 ;;
     --delay) delay=${2:?}; shift 2 ;;
     -np|-n) np=${2:?}; shift 2 ;;
     --) shift; break ;;
     *) usage ;;
   esac
 done
-[ $# -ge 1 ] && [[ "$np" =~ ^[2-4]$ ]] || usage
+[ $# -ge 1 ] && [[ "$np" =~ ^[2-4]$ ]] && [[ "$launch_timeout" =~ ^[0-9]*$ ]] || usage
 
 command -v ip >/dev/null || skip "no 'ip' command (install iproute2)"
 command -v mpirun >/dev/null || skip "no mpirun on PATH (install openmpi-bin)"
@@ -123,9 +128,34 @@ export ATTN_NETNS=1
 # pml ob1 + btl tcp,self: UCX/OFI (pml ucx/cm, osc ucx) and vader would bypass
 # the TCP BTL. No tree spawn: mpirun launches every daemon itself. bind-to none:
 # each "node" believes it owns all cores, so binding would pile ranks onto core 0.
-mpirun ${MPIRUN_EXTRA:-} --allow-run-as-root --oversubscribe -np "$np" -H "$hosts" --bind-to none \
-  --mca plm_rsh_agent "$tmp/agent" --mca plm_rsh_no_tree_spawn 1 \
-  --mca pml ob1 --mca btl tcp,self --mca osc '^ucx' \
-  --mca btl_tcp_if_include "$net.0/24" --mca oob_tcp_if_include "$net.0/24" \
-  -x ATTN_NETNS "$@"
-exit $?
+run_mpi() {
+  mpirun ${MPIRUN_EXTRA:-} --allow-run-as-root --oversubscribe -np "$np" -H "$hosts" --bind-to none \
+    --mca plm_rsh_agent "$tmp/agent" --mca plm_rsh_no_tree_spawn 1 \
+    --mca pml ob1 --mca btl tcp,self --mca osc '^ucx' \
+    --mca btl_tcp_if_include "$net.0/24" --mca oob_tcp_if_include "$net.0/24" \
+    -x ATTN_NETNS "$@"
+}
+[ -n "$launch_timeout" ] || { run_mpi "$@"; exit $?; }
+
+for attempt in 1 2; do
+  out="$tmp/out.$attempt"
+  run_mpi "$@" > "$out" 2>&1 &
+  job=$! waited=0
+  while kill -0 "$job" 2>/dev/null && [ ! -s "$out" ] && [ "$waited" -lt "$launch_timeout" ]; do
+    sleep 1; waited=$((waited + 1))
+  done
+  if [ ! -s "$out" ] && kill -0 "$job" 2>/dev/null; then
+    echo "mpirun_netns: the job printed nothing within ${launch_timeout} s of launch (attempt $attempt): Open MPI's launch stalled; killing it" >&2
+    kill -TERM "$job" 2>/dev/null; sleep 2; kill -KILL "$job" 2>/dev/null
+    for ns in "${nss[@]}"; do for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done; done
+    wait "$job" 2>/dev/null
+    continue
+  fi
+  tail -n +1 -f "$out" --pid="$job" &
+  follow=$!
+  wait "$job"; rc=$?
+  wait "$follow" 2>/dev/null
+  exit $rc
+done
+echo "mpirun_netns: the launch stalled twice; giving up" >&2
+exit 1
