@@ -15,6 +15,7 @@
 
     scripts/bench_variants.py                 # all of it -> docs/PERFORMANCE.md (~25 minutes)
     scripts/bench_variants.py --quick         # small shapes, table on stdout only
+    scripts/bench_variants.py --rounds 4 --skip window,varlen   # one part again; the others' tables kept
 Exit status 0, or 1 if a run failed (the table says which).
 """
 from __future__ import annotations
