@@ -382,11 +382,13 @@ BenchResult run_bench(const BenchConfig& c) {
   }
   r.cpu = cpu_description();
   // The roof is the peak of the unit the kernel's products run on, measured now, on as many
-  // threads: the BF16 dot unit for the native bf16 kernel, the FMA unit for every float32
-  // kernel (also when it takes 16-bit inputs widened). A backward runs the float32 kernels.
+  // threads: the AMX tiles or the BF16 dot unit for the native bf16 kernels, the FMA unit for
+  // every float32 kernel (also when it takes 16-bit inputs widened). A backward runs the float32
+  // kernels.
   std::optional<PeakResult> peak;
+  if (r.kernel == "cpu.flash.amx_bf16" && !c.backward) peak = measure_amx_bf16_peak(threads);
   if (r.kernel == "cpu.flash.avx512_bf16" && !c.backward) peak = measure_bf16_dot_peak(threads);
-  r.unit = peak ? "bf16-dot" : "fma";
+  r.unit = !peak ? "fma" : r.kernel == "cpu.flash.amx_bf16" ? "amx-bf16" : "bf16-dot";
   if (!peak) peak = measure_fma_peak(threads);
   r.peak_gflops = peak->gflops;
   r.simd = peak->isa;
@@ -569,18 +571,26 @@ int run_bench_command(const BenchConfig& c, std::ostream& out, std::ostream& err
     omp_set_num_threads(threads);
     const PeakResult p = measure_fma_peak(threads);
     const std::optional<PeakResult> bf16 = measure_bf16_dot_peak(threads);
+    std::optional<PeakResult> amx;  // the tiles, where the AMX kernel runs (present and permitted)
+    for (const SdpaKernelInfo& k : sdpa_kernels()) {
+      if (k.name == "cpu.flash.amx_bf16" && k.runs_on_this_cpu) amx = measure_amx_bf16_peak(threads);
+    }
     const BandwidthResult b = measure_read_bandwidth(threads);
     if (c.json) {
       out << fmt::format("{{\"threads\": {}, \"peak_gflops\": {}, \"simd\": {}, \"lanes\": {}, "
-                         "\"bf16_dot_peak_gflops\": {}, {}}}\n",
+                         "\"bf16_dot_peak_gflops\": {}, \"amx_bf16_peak_gflops\": {}, {}}}\n",
                          p.threads, json_number(p.gflops, 3), json_string(p.isa), p.lanes,
-                         bf16 ? json_number(bf16->gflops, 3) : "null", bandwidth_json(b));
+                         bf16 ? json_number(bf16->gflops, 3) : "null",
+                         amx ? json_number(amx->gflops, 3) : "null", bandwidth_json(b));
     } else {
       out << fmt::format("{:<12} {:.2f} GFLOP/s\n{:<12} {} ({} float lanes)\n{:<12} {}\n",
                          "FMA peak", p.gflops, "ISA", p.isa, p.lanes, "threads", p.threads);
       out << fmt::format("{:<12} {}\n", "BF16 peak",
                          bf16 ? fmt::format("{:.2f} GFLOP/s (vdpbf16ps)", bf16->gflops)
                               : std::string("none (no AVX512-BF16)"));
+      out << fmt::format("{:<12} {}\n", "AMX peak",
+                         amx ? fmt::format("{:.2f} GFLOP/s (tdpbf16ps)", amx->gflops)
+                             : std::string("none (no AMX-BF16 tiles granted)"));
       out << fmt::format("{:<12} {}\n", "bandwidth", bandwidth_text(b));
     }
     return 0;

@@ -126,8 +126,9 @@ int run(int argc, char** argv) {
                     "cpu.flash.avx2");
   bench->add_option("--dtype", bench_config.dtype,
                     "Element type of q, k, v: f32, bf16, f16 or f64 (16-bit inputs run on the "
-                    "kernel `attn kernels` shows kAuto choosing: native bf16 where this CPU's "
-                    "dot unit pays, else widened on a float32 kernel)")
+                    "kernel `attn kernels` shows kAuto choosing: bf16 and f16 on the AMX tiles "
+                    "where present, else native bf16 where this CPU's dot unit pays, else "
+                    "widened on a float32 kernel)")
       ->capture_default_str();
   CLI::Option* kv_dtype_opt = bench->add_option(
       "--kv-dtype", kv_dtype,
@@ -158,7 +159,7 @@ int run(int argc, char** argv) {
                   "the forward's, as FlashAttention does");
   bench->add_flag("--json", bench_config.json, "Print one JSON object instead of the table");
   bench->add_flag("--peak-only", bench_config.peak_only,
-                  "Only measure the FMA (and BF16 dot) peak and the memory read bandwidth on "
+                  "Only measure the FMA, BF16 dot and AMX tile peaks (where present) and the memory read bandwidth on "
                   "--threads threads");
 
   CLI::App* kernels = app.add_subcommand(

@@ -104,6 +104,40 @@ __attribute__((target("avx512f,avx512bf16"))) float dpbf16_avx512(int64_t iterat
   return total;
 }
 
+// The AMX-BF16 tiles: one tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16
+// float32 (16,384 flops). Four independent accumulators (tiles 0-3) over two A and two B tiles,
+// as the attention kernel's 2 x 2 blocking uses them. Callers run it only where the registry's
+// cpu.flash.amx_bf16 runs: the CPU has the tiles and Linux granted this process their state.
+__attribute__((target("amx-tile,amx-bf16"))) float dpbf16_amx(int64_t iterations) {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg = {};
+  cfg.palette = 1;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  alignas(64) static const uint32_t ones[256] = {};  // values do not change a tile's timing
+  alignas(64) float out[256];
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  for (int64_t i = 0; i < iterations; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
+
 #endif  // ATTN_PEAK_X86
 
 // Portable fallback: 4-lane vectors, multiply then add (2 flops per lane, like one FMA).
@@ -201,6 +235,16 @@ PeakResult measure(const Probe& p, int threads, double seconds, int trials) {
 
 PeakResult measure_fma_peak(int threads, double seconds, int trials) {
   return measure(best_probe(), threads, seconds, trials);
+}
+
+std::optional<PeakResult> measure_amx_bf16_peak(int threads, double seconds, int trials) {
+#ifdef ATTN_PEAK_X86
+  // 4 tile products of 256 lanes x 32 products each per iteration.
+  return measure({dpbf16_amx, "amx_bf16", 256, 4, 32}, threads, seconds, trials);
+#else
+  (void)threads, (void)seconds, (void)trials;
+  return std::nullopt;
+#endif
 }
 
 std::optional<PeakResult> measure_bf16_dot_peak(int threads, double seconds, int trials) {

@@ -30,4 +30,8 @@ PeakResult measure_fma_peak(int threads, double seconds = 0.2, int trials = 3);
 // float32 lane, 4 flops per lane), the roof of the bf16 kernels; nothing if the CPU lacks it.
 std::optional<PeakResult> measure_bf16_dot_peak(int threads, double seconds = 0.2, int trials = 3);
 
+// The same for the AMX-BF16 tiles (tdpbf16ps, 16 x 16 lanes of 32 products), the roof of
+// cpu.flash.amx_bf16. Call it only where that kernel runs (AMX present and permitted).
+std::optional<PeakResult> measure_amx_bf16_peak(int threads, double seconds = 0.2, int trials = 3);
+
 }  // namespace attn::bench

@@ -666,6 +666,8 @@ def one_table(rows: list[dict]) -> str:
         kernel = fused.get("kernel", "n/a") if ok else "n/a"
         if ok and fused.get("unit") == "bf16-dot":
             kernel += " (of BF16 dot peak)"
+        if ok and fused.get("unit") == "amx-bf16":
+            kernel += " (of AMX-BF16 tile peak)"
         cells = [cfg["seq"], cfg["dim"], "yes" if cfg["causal"] else "no", cfg["threads"],
                  cfg.get("dtype", "f32"), kernel, ms(fused), f"{fused['gflops']:.1f}" if ok else "n/a",
                  f"{100 * fused['peak_ratio']:.1f}" if ok else "n/a",
@@ -757,7 +759,8 @@ def render(args, rows, peaks, torch_version, machine, started, elapsed_s, comman
         "(bf16, f16) for attn and PyTorch alike. kernel: the attn kernel that ran "
         "(`attn kernels`); a float32 kernel on 16-bit inputs computes them widened.",
         "- % of peak: against the FMA peak, except for `cpu.flash.avx512_bf16`, whose roof is the "
-        "BF16 dot unit's peak (vdpbf16ps, `attn bench --peak-only`), measured in the same run.",
+        "BF16 dot unit's peak (vdpbf16ps), and `cpu.flash.amx_bf16`, whose roof is the AMX tiles' "
+        "(tdpbf16ps), each measured in the same `attn bench` run.",
         "- Time: median of the timed runs after warmup runs, per L: " + reps + ". "
         "Configurations run one after another (fused, reference, torch), never concurrently.",
         "- GFLOP/s = 4·B·H·L·S·E / median time, halved when causal (FlashAttention's count). "

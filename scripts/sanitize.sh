@@ -159,8 +159,8 @@ stage_tsan() {
 
   export TSAN_OPTIONS="$tsan_base"
   export OMP_TOOL_LIBRARIES="$archer"
-  log "TSan: threaded tests (FlashForward*, FlashBackward two-thread sweep, Sdpa*, the 16-bit kernels' two-thread sweep, the decode kernels' thread-count sweep, the variants' two-thread sweep, flex_attention's thread counts, Stress.*, NumericsPolicy.*)"
-  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|Decode\.SameBits|/Variants\.SameBitsForOneAndTwoThreads/|^FlexAttention\.SameBitsForOneTwoAndThreeThreads$|^Stress\.|^NumericsPolicy\.'
+  log "TSan: threaded tests (FlashForward*, FlashBackward two-thread sweep, Sdpa*, the 16-bit kernels' two-thread sweep (the AMX kernel's on emulated tiles too), the decode kernels' thread-count sweep, the variants' two-thread sweep, flex_attention's thread counts, Stress.*, NumericsPolicy.*)"
+  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|AmxEmulated\.SameBits|Decode\.SameBits|/Variants\.SameBitsForOneAndTwoThreads/|^FlexAttention\.SameBitsForOneTwoAndThreeThreads$|^Stress\.|^NumericsPolicy\.'
   tsan_ran=$ran
   [ "$failed_tests" -ne 0 ] && fail "$failed_tests of $ran tests failed under TSan"
   tsan_soak="skipped"

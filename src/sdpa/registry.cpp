@@ -14,6 +14,7 @@
 
 #include "attn/error.hpp"
 #include "sdpa/cpu/decode.hpp"
+#include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
 #include "sdpa/cpu/unit_rates.hpp"
 
@@ -26,6 +27,7 @@ constexpr std::array<DType, 3> kFusedDtypes{DType::kFloat32, DType::kBFloat16, D
 constexpr std::array<DType, 4> kReferenceDtypes{DType::kFloat32, DType::kBFloat16, DType::kFloat16,
                                                 DType::kFloat64};
 constexpr std::array<DType, 1> kBFloat16Only{DType::kBFloat16};
+constexpr std::array<DType, 2> kSixteenBit{DType::kBFloat16, DType::kFloat16};
 
 using ForwardFn = SdpaResult (*)(const TensorView&, const TensorView&, const TensorView&,
                                  const SdpaOptions&, const SdpaProblem&);
@@ -212,11 +214,12 @@ SdpaGrads decode_backward(const TensorView& dout, const TensorView& q, const Ten
 }
 
 #if defined(ATTN_HAVE_X86_KERNELS)
-// The native bf16 forward computes what the float32 kernels compute except in two cases it
-// leaves to them: the attention weights (no second pass of its own yet: refused, so kAuto takes
-// the next kernel) and a V holding NaN/Inf (its products cannot skip a zero weight: it hands the
-// call to the AVX-512 float32 kernel, widened, itself). Its backward is the float32
-// AVX-512 kernel's on widened inputs: fp32 accumulation, gradients rounded to bf16 once.
+// The native 16-bit forwards (AMX-BF16 tiles for bf16 and fp16, AVX512-BF16 dot products for
+// bf16) compute what the float32 kernels compute except in two cases they leave to them: the
+// attention weights (no second pass of their own yet: refused, so kAuto takes the next kernel)
+// and a V holding NaN/Inf (their products cannot skip a zero weight: they hand the call to the
+// AVX-512 float32 kernel, widened, themselves). Their backward is the float32 AVX-512 kernel's
+// on widened inputs: fp32 accumulation, gradients rounded to the dtype once.
 std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOptions& options) {
   if (std::string r = flash_why_not(k, p, options); !r.empty()) return r;
   if (options.need_weights) return "need_weights is served by the float32 kernels (widened)";
@@ -237,12 +240,19 @@ std::string bf16_auto_declines() {
                      "{:.2f}x the float32 FMA rate", s);
 }
 
+// The table for the call's dtype: the AVX512-BF16 kernel takes bf16 only, the AMX one also fp16.
+const cpu::Bf16ForwardKernel& avx512_bf16_table(DType) { return cpu::bf16_kernel_avx512(); }
+const cpu::Bf16ForwardKernel& amx_table(DType dtype) {
+  return dtype == DType::kFloat16 ? cpu::fp16_kernel_amx() : cpu::bf16_kernel_amx();
+}
+
+template <const cpu::Bf16ForwardKernel& (*Table)(DType)>
 SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const SdpaProblem& p) {
-  if (!cpu::all_finite_bf16(v)) {  // see bf16_why_not
+  if (!cpu::all_finite_16(v)) {  // see bf16_why_not
     return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   }
-  return cpu::flash_forward_bf16(q, k, v, options, p);
+  return cpu::flash_forward_bf16(Table(p.dtype), q, k, v, options, p);
 }
 #endif
 
@@ -262,9 +272,14 @@ const SdpaKernel kKernels[] = {
      decode_forward<decode_kernel_generic>, decode_backward<flash_kernel_generic>, nullptr, true,
      decode_kernel_generic},
 #if defined(ATTN_HAVE_X86_KERNELS)
+    {"cpu.flash.amx_bf16", SdpaBackend::kFused,
+     kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma | kAmxTile | kAmxBf16,
+     kSixteenBit, 450, bf16_why_not, bf16_forward<amx_table>,
+     fused_backward<flash_kernel_avx512>, nullptr},
     {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
-     bf16_why_not, bf16_forward, fused_backward<flash_kernel_avx512>, bf16_auto_declines},
+     bf16_why_not, bf16_forward<avx512_bf16_table>, fused_backward<flash_kernel_avx512>,
+     bf16_auto_declines},
     {"cpu.flash.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 300, flash_why_not, fused_forward<flash_kernel_avx512>,
      fused_backward<flash_kernel_avx512>, nullptr},

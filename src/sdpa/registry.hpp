@@ -93,9 +93,11 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& grad_outpu
                          const TensorView& q, const TensorView& k, const TensorView& v,
                          const SdpaSaved& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& problem);
-// The bfloat16 forward on AVX512-BF16 (flash_fwd_bf16.cpp), and the check it needs: true if
-// no element of a bf16 tensor is NaN or Inf.
-SdpaResult flash_forward_bf16(const TensorView& q, const TensorView& k, const TensorView& v,
-                              const SdpaOptions& options, const detail::SdpaProblem& problem);
-bool all_finite_bf16(const TensorView& t);
+struct Bf16ForwardKernel;
+// The 16-bit forward (flash_fwd_bf16.cpp) with one kernel's functions (flash_bf16.hpp), and
+// the check it needs: true if no element of a bf16 or fp16 tensor is NaN or Inf.
+SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kernel, const TensorView& q,
+                              const TensorView& k, const TensorView& v, const SdpaOptions& options,
+                              const detail::SdpaProblem& problem);
+bool all_finite_16(const TensorView& t);
 }  // namespace attn::cpu

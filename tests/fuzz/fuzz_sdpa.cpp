@@ -77,6 +77,11 @@
 #include "attn/attn.hpp"
 #include "attn/philox.hpp"
 #include "fuzz_util.hpp"
+#if defined(ATTN_FUZZ_AMX_EMULATED)
+#include "sdpa/cpu/amx_emulated.hpp"
+#include "sdpa/problem.hpp"
+#include "sdpa/registry.hpp"
+#endif
 
 namespace {
 
@@ -84,6 +89,12 @@ using namespace attn;
 using attn::fuzz::ByteReader;
 using attn::fuzz::SplitMix;
 using attn::fuzz::throws_attn_error;
+
+#if defined(ATTN_FUZZ_AMX_EMULATED)
+// The AMX-BF16 kernel (src/sdpa/cpu/flash_amx_kernel.hpp) on emulated tiles, fuzzed beside the
+// registered 16-bit kernels where the CPU runs its AVX-512 part but has no tiles of its own.
+const std::string kAmxEmulated = "cpu.flash.amx_bf16 (emulated tiles)";
+#endif
 
 constexpr double kU = 0x1p-24;      // float32 unit roundoff
 constexpr double kOverflow = 1e30;  // beyond this, float32 intermediates may overflow
@@ -983,11 +994,33 @@ void run(ByteReader& in) {
       const bool takes = std::find(k.dtypes.begin(), k.dtypes.end(), dtype) != k.dtypes.end();
       if (takes && k.runs_on_this_cpu && k.name != "reference") kernels.push_back(k.name);
     }
+#if defined(ATTN_FUZZ_AMX_EMULATED)
+    // The AMX kernel's code on emulated tiles where the real tiles are absent: called through
+    // the driver directly, it sees only what the registry would give it (a finite V).
+    const bool emulate = cpu::amx_emulation_runs_here() &&
+                         std::find(kernels.begin(), kernels.end(), "cpu.flash.amx_bf16") == kernels.end();
+    if (emulate && !lo.need_weights && !variants_used && cpu::all_finite_16(v16)) kernels.push_back(kAmxEmulated);
+#endif
+    auto run16 = [&](const SdpaOptions& ko) {
+#if defined(ATTN_FUZZ_AMX_EMULATED)
+      if (ko.kernel == kAmxEmulated) {
+        SdpaOptions eo = ko;
+        eo.kernel.clear();
+        const detail::SdpaProblem prob = detail::check_sdpa(q16, k16, v16, eo);
+        return cpu::flash_forward_bf16(cpu::amx_kernel_emulated(dtype), q16, k16, v16, eo, prob);
+      }
+#endif
+      return scaled_dot_product_attention(q16, k16, v16, ko);
+    };
     for (const std::string& name : kernels) {
       SdpaOptions ko = lo;
       ko.kernel = name;
-      if (name == "cpu.flash.avx512_bf16" && ko.need_weights) continue;  // refused by design
-      if (name == "cpu.flash.avx512_bf16" && variants_used) {  // refused by design, with the reason
+      if (name == kAmxEmulated) {
+        // Not a registered kernel: straight to the checks below.
+      } else if (const bool native_bf16 = name == "cpu.flash.avx512_bf16" || name == "cpu.flash.amx_bf16";
+                 native_bf16 && ko.need_weights) {
+        continue;  // refused by design
+      } else if (native_bf16 && variants_used) {  // refused by design, with the reason
         try {
           (void)sdpa_kernel_name(q16, k16, v16, ko);
           attn::fuzz::fuzz_fail("'%s' accepted the variants it lacks\n  problem: %s", name.c_str(), desc.c_str());
@@ -1005,9 +1038,9 @@ void run(ByteReader& in) {
         if (refused) continue;
       }
       SdpaResult a, b2;
-      must_not_throw("16-bit kernel", [&] { a = scaled_dot_product_attention(q16, k16, v16, ko); });
+      must_not_throw("16-bit kernel", [&] { a = run16(ko); });
       ko.num_threads = 3 - p.threads;
-      must_not_throw("16-bit kernel (other thread count)", [&] { b2 = scaled_dot_product_attention(q16, k16, v16, ko); });
+      must_not_throw("16-bit kernel (other thread count)", [&] { b2 = run16(ko); });
       ATTN_FUZZ_CHECKF(a.output.dtype() == dtype && a.output.shape() == out_shape,
                        "16-bit kernel '%s': output dtype/shape; %s", name.c_str(), desc.c_str());
       const std::vector<float> x1 = a.output.to_vector(), x2 = b2.output.to_vector();

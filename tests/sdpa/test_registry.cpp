@@ -92,6 +92,8 @@ TEST(SdpaRegistry, ListsEveryKernelWithItsFamilyAndDtypes) {
                                               DType::kFloat64}));
     } else if (k.name == "cpu.flash.avx512_bf16") {
       EXPECT_EQ(k.dtypes, std::vector<DType>{DType::kBFloat16});
+    } else if (k.name == "cpu.flash.amx_bf16") {  // fp16 as two bf16 terms on the same tiles
+      EXPECT_EQ(k.dtypes, (std::vector<DType>{DType::kBFloat16, DType::kFloat16}));
     } else {
       EXPECT_EQ(k.dtypes, fused) << k.name;
     }
@@ -102,8 +104,9 @@ TEST(SdpaRegistry, ListsEveryKernelWithItsFamilyAndDtypes) {
   }
   std::vector<std::string> want = {"cpu.decode.generic", "cpu.flash.generic", "reference"};
 #if defined(__x86_64__)
-  want = {"cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic", "cpu.flash.avx512_bf16",
-          "cpu.flash.avx512", "cpu.flash.avx2", "cpu.flash.generic", "reference"};
+  want = {"cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic", "cpu.flash.amx_bf16",
+          "cpu.flash.avx512_bf16", "cpu.flash.avx512", "cpu.flash.avx2", "cpu.flash.generic",
+          "reference"};
 #endif
   EXPECT_EQ(names, want);
   for (const SdpaKernelInfo& k : ks) {
@@ -122,6 +125,11 @@ TEST(SdpaRegistry, Avx512BuildNeedsEveryFeatureItsFlagsAssume) {
                 f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kFma));
     }
     if (k.name == "cpu.flash.avx2") EXPECT_EQ(k.runs_on_this_cpu, f.has(cpu::kAvx2 | cpu::kFma));
+    // flash_amx_bf16.cpp adds -mamx-tile -mamx-bf16 to the AVX512-BF16 build's flags.
+    if (k.name == "cpu.flash.amx_bf16") {
+      EXPECT_EQ(k.runs_on_this_cpu, f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kAvx512bw |
+                                          cpu::kAvx512Bf16 | cpu::kFma | cpu::kAmxTile | cpu::kAmxBf16));
+    }
   }
 }
 
@@ -341,7 +349,9 @@ TEST(SdpaRegistry, Bf16ChoiceFollowsTheMeasuredUnitRates) {
   EXPECT_GT(rates.bf16_dot_gflops, 0.0);
   const Tensor q = Tensor::ones({1, 2, 32, 16}, DType::kBFloat16);  // past the decode kernels' 16
   const bool native = rates.bf16_dot_speedup() >= 0.9;
-  EXPECT_EQ(sdpa_kernel_name(q, q, q, {}), native ? "cpu.flash.avx512_bf16" : "cpu.flash.avx512");
+  const bool amx = f.has(cpu::kAmxTile | cpu::kAmxBf16);  // the tiles outrank both, always
+  EXPECT_EQ(sdpa_kernel_name(q, q, q, {}),
+            amx ? "cpu.flash.amx_bf16" : native ? "cpu.flash.avx512_bf16" : "cpu.flash.avx512");
   for (const SdpaKernelInfo& k : sdpa_kernels()) {
     if (k.name != "cpu.flash.avx512_bf16") {
       EXPECT_TRUE(k.auto_declines.empty()) << k.name;

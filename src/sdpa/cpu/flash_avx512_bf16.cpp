@@ -31,6 +31,7 @@
 #include <limits>
 #include <numbers>
 
+#include "sdpa/cpu/exp2_avx512.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
 
 namespace attn::cpu::avx512_bf16 {
@@ -59,26 +60,6 @@ inline uint32_t pair_at(const uint16_t* row, int64_t i, int64_t n) {
   const uint32_t lo = row[2 * i];
   const uint32_t hi = 2 * i + 1 < n ? row[2 * i + 1] : 0u;
   return lo | (hi << 16);
-}
-
-// 2^x lane-wise, as the float32 kernel's exp2v (degree-7 polynomial, ~2 ulp, exact 0 below
-// -126, NaN kept); P is rounded to bf16 afterwards, but the row sums are float32.
-inline __m512 exp2v(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, x);
 }
 
 // Two float32 vectors (keys 2j2 and 2j2+1 of 16 queries) rounded to bf16 and interleaved as
@@ -180,8 +161,6 @@ inline void pv_chunk(const uint32_t* pp, const uint32_t* vp, int64_t nk2, int64_
   }
 }
 
-}  // namespace
-
 int64_t workspace_bytes(int64_t E, int64_t Ev) {
   const int64_t evp = (Ev + 15) / 16 * 16, e2 = (E + 1) / 2;
   return 4 * (e2 * kBQ + kBK * kBQ + kBK / 2 * kBQ + kBQ * evp);
@@ -189,6 +168,8 @@ int64_t workspace_bytes(int64_t E, int64_t Ev) {
 
 int64_t packed_v_words(int64_t S, int64_t Ev) { return (S + 1) / 2 * ((Ev + 15) / 16 * 16); }
 
+// V of one head (S rows of Ev bf16, row stride v_row) as key pairs for vdpbf16ps:
+// out[j2 * Evp + c] = v[2 j2][c] | v[2 j2 + 1][c] << 16, Evp = Ev rounded up to 16, zero padded.
 void pack_v_pairs(const uint16_t* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out) {
   const int64_t evp = (Ev + 15) / 16 * 16;
   for (int64_t j2 = 0; j2 < (S + 1) / 2; ++j2) {
@@ -245,10 +226,10 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
       }
       const __m512 msafe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ), mx,
                                                 _mm512_setzero_ps());
-      const __m512 alpha = exp2v(_mm512_sub_ps(m[h], msafe));
+      const __m512 alpha = exp2_avx512(_mm512_sub_ps(m[h], msafe));
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < nk; ++j) {
-        const __m512 pj = exp2v(_mm512_sub_ps(_mm512_loadu_ps(st + j * kBQ + h * 16), msafe));
+        const __m512 pj = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(st + j * kBQ + h * 16), msafe));
         _mm512_storeu_ps(st + j * kBQ + h * 16, pj);
         sum = _mm512_add_ps(sum, pj);
       }
@@ -305,4 +286,14 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   }
 }
 
+}  // namespace
 }  // namespace attn::cpu::avx512_bf16
+
+namespace attn::cpu {
+const Bf16ForwardKernel& bf16_kernel_avx512() {
+  using namespace avx512_bf16;
+  static const Bf16ForwardKernel k{kBQ, workspace_bytes, nullptr, nullptr, packed_v_words, pack_v_pairs,
+                                   forward_block};
+  return k;
+}
+}  // namespace attn::cpu

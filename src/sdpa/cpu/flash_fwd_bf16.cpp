@@ -1,5 +1,6 @@
-// The driver of the bfloat16 fused forward (kernel: flash_avx512_bf16.cpp): the float32
-// driver's work items and thread schedule (flash_fwd.cpp) over 16-bit q, k, v and output.
+// The driver of the bfloat16 fused forward (kernels: flash_avx512_bf16.cpp, flash_amx_bf16.cpp):
+// the float32 driver's work items and thread schedule (flash_fwd.cpp) over 16-bit q, k, v and
+// output, with K and V of every key/value head packed once in the kernel's layout.
 // Every output row is produced by one work item in a fixed order: bit-identical results for
 // any thread count.
 #include <algorithm>
@@ -16,42 +17,50 @@
 
 namespace attn::cpu {
 
-bool all_finite_bf16(const TensorView& t) {
+bool all_finite_16(const TensorView& t) {
   const auto* bits = static_cast<const uint16_t*>(t.raw_data());
+  const uint16_t exponent = t.dtype() == DType::kFloat16 ? 0x7c00u : 0x7f80u;  // all ones: Inf or NaN
   bool ok = true;
-  for_each_offset(t, [&](int64_t o) { ok = ok && (bits[o] & 0x7f80u) != 0x7f80u; });
+  for_each_offset(t, [&](int64_t o) { ok = ok && (bits[o] & exponent) != exponent; });
   return ok;
 }
 
-SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
+SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q_in,
+                              const TensorView& k_in, const TensorView& v_in,
                               const SdpaOptions& options, const detail::SdpaProblem& p) {
   Tensor qs, ks, vs;
   const TensorView q = rows_contiguous(q_in, qs), k = rows_contiguous(k_in, ks),
                    v = rows_contiguous(v_in, vs);
-  SdpaResult result = make_forward_result(p, DType::kBFloat16, options.need_lse);
+  SdpaResult result = make_forward_result(p, p.dtype, options.need_lse);
 
   const FlashParams fp = make_flash_params(p, options, q, k, v);
-  constexpr int64_t bq = avx512_bf16::kBlockQ;
+  const int64_t bq = kern.block_q;
   const int64_t nqb = (p.L + bq - 1) / bq;
   const std::vector<int64_t> items = forward_work_items(p, bq);
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-  const int64_t ws_bytes = avx512_bf16::workspace_bytes(p.E, p.Ev);
+  const int64_t ws_bytes = kern.workspace_bytes(p.E, p.Ev);
   const auto* qd = static_cast<const uint16_t*>(q.raw_data());
   const auto* kd = static_cast<const uint16_t*>(k.raw_data());
   const auto* vd = static_cast<const uint16_t*>(v.raw_data());
   auto* const out = static_cast<uint16_t*>(result.output.raw_data());
   float* const lse = options.need_lse ? result.lse.data() : nullptr;
 
-  // V of every key/value head as key pairs, once, before any query block reads it.
-  const int64_t kv_heads = p.batch / p.group, vwords = avx512_bf16::packed_v_words(p.S, p.Ev);
+  // K and V of every key/value head in the kernel's layout, once, before any query block reads
+  // them.
+  const int64_t kv_heads = p.batch / p.group, vwords = kern.packed_v_words(p.S, p.Ev);
+  const int64_t kwords = kern.packed_k_words != nullptr ? kern.packed_k_words(p.S, p.E) : 0;
   std::vector<uint32_t> vpacked(static_cast<size_t>(kv_heads * vwords));
+  std::vector<uint32_t> kpacked(static_cast<size_t>(kv_heads * kwords));
   auto first_query_head = [&](int64_t kvh) {  // a query (batch, head) reading kv head kvh
     return (kvh / p.heads_kv) * p.heads_q + (kvh % p.heads_kv) * p.group;
   };
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-    avx512_bf16::pack_v_pairs(vd + detail::kv_lead_offset(v, p, first_query_head(kvh)), fp.v_row, p.S,
-                              p.Ev, vpacked.data() + kvh * vwords);
+    const int64_t b = first_query_head(kvh);
+    kern.pack_v(vd + detail::kv_lead_offset(v, p, b), fp.v_row, p.S, p.Ev, vpacked.data() + kvh * vwords);
+    if (kwords > 0) {
+      kern.pack_k(kd + detail::kv_lead_offset(k, p, b), fp.k_row, p.S, p.E, kpacked.data() + kvh * kwords);
+    }
   }
 
 #pragma omp parallel num_threads(threads)
@@ -67,11 +76,13 @@ SdpaResult flash_forward_bf16(const TensorView& q_in, const TensorView& k_in, co
       blk.bh = b + p.bh_base;
       blk.q = qd + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
       blk.k = kd + detail::kv_lead_offset(k, p, b);
-      blk.vp = vpacked.data() + ((b / p.heads_q) * p.heads_kv + (b % p.heads_q) / p.group) * vwords;
+      const int64_t kvh = (b / p.heads_q) * p.heads_kv + (b % p.heads_q) / p.group;
+      blk.vp = vpacked.data() + kvh * vwords;
+      blk.kp = kwords > 0 ? kpacked.data() + kvh * kwords : nullptr;
       blk.o = out + (b * p.L + i0) * p.Ev;
       blk.lse = lse != nullptr ? lse + b * p.L + i0 : nullptr;
       if (p.mask.defined()) blk.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i0 * fp.mask_row;
-      avx512_bf16::forward_block(fp, blk, ws.data());
+      kern.forward_block(fp, blk, ws.data());
     }
   }
   if (lse != nullptr) {  // base 2 in the kernel, natural in the API

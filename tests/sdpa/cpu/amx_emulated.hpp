@@ -1,0 +1,17 @@
+// The AMX-BF16 forward kernel run on emulated tile registers (amx_emulated.cpp). Its code uses
+// AVX512-BF16: call it only where amx_emulation_runs_here().
+#pragma once
+
+#include "sdpa/cpu/cpu_features.hpp"
+#include "sdpa/cpu/flash_bf16.hpp"
+
+namespace attn::cpu {
+// The bfloat16 or the float16 table.
+const Bf16ForwardKernel& amx_kernel_emulated(DType dtype);
+// True if this CPU has every feature the emulated kernel's AVX-512 code assumes (the AVX512-BF16
+// build's set: avx512f/vl/dq/bw, avx512_bf16, fma). Inline here, so that its callers (built
+// without AVX-512 flags) compile it, never amx_emulated.cpp.
+inline bool amx_emulation_runs_here() {
+  return cpu_features().has(kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma);
+}
+}  // namespace attn::cpu
