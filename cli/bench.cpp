@@ -131,6 +131,7 @@ std::string bandwidth_text(const BandwidthResult& b) {
 
 std::string dtype_text(const BenchConfig& c) {
   const std::string kv = c.kv_dtype_or_default();
+  if (c.precision != "highest") return fmt::format("{} (float32_matmul_precision {})", c.dtype, c.precision);
   return kv == c.dtype ? c.dtype : fmt::format("{} (q), {} (k, v)", c.dtype, kv);
 }
 
@@ -167,6 +168,12 @@ std::optional<std::string> validate(const BenchConfig& c) {
   }
   if (c.dtype != "f32" && c.dtype != "bf16" && c.dtype != "f16" && c.dtype != "f64") {
     return fmt::format("--dtype must be f32, bf16, f16 or f64 (got '{}')", c.dtype);
+  }
+  if (c.precision != "highest" && c.precision != "high" && c.precision != "medium") {
+    return fmt::format("--precision must be highest, high or medium (got '{}')", c.precision);
+  }
+  if (c.precision != "highest" && c.dtype != "f32") {
+    return fmt::format("--precision {} applies to --dtype f32 only (got --dtype {})", c.precision, c.dtype);
   }
   if (const std::string kv = c.kv_dtype_or_default();
       c.kv_dtype && kv != "f32" && kv != "bf16" && kv != "f16" && !(kv == "int8" && c.page_size > 0)) {
@@ -350,6 +357,9 @@ BenchResult run_bench(const BenchConfig& c) {
   options.backend = backend_of(c.impl);
   options.kernel = c.kernel;
   options.num_threads = threads;
+  options.float32_matmul_precision = c.precision == "high"     ? Float32MatmulPrecision::kHigh
+                                     : c.precision == "medium" ? Float32MatmulPrecision::kMedium
+                                                               : Float32MatmulPrecision::kHighest;
   options.window_size = {c.window_left, c.window_right};
   options.softcap = c.softcap;
   Tensor slopes, sinks;
@@ -477,14 +487,14 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
         json_number(d.warm_median_ms, 4), json_number(d.warm_kv_gbps, 3), json_times(d.warm_times_ms));
   }
   return fmt::format(
-      "{{\"impl\": {}, \"kernel\": {}, \"dtype\": {}, \"unit\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
+      "{{\"impl\": {}, \"kernel\": {}, \"dtype\": {}, \"precision\": {}, \"unit\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
       "\"seq_kv\": {}, \"dim\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {}, "
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
       "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}], "
       "\"kv_dtype\": {}, \"causal_align\": {}, \"page_size\": {}, \"window_left\": {}, "
       "\"window_right\": {}, \"softcap\": {}, \"alibi\": {}, \"sinks\": {}{}}}\n",
-      json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
+      json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(c.precision), json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
       json_number(r.peak_gflops, 3), json_number(r.peak_ratio, 5), json_number(r.max_rss_mib, 1),
@@ -552,7 +562,8 @@ std::string format_kernels() {
   for (const SdpaKernelInfo& k : sdpa_kernels()) {
     std::string dtypes;
     for (DType d : k.dtypes) dtypes += fmt::format("{}{}", dtypes.empty() ? "" : ",", dtype_name(d));
-    s += fmt::format("{:<22} {:<9} {:<33} {}\n", k.name,
+    if (k.reduced_float32) dtypes += ",float32(high|medium)";
+    s += fmt::format("{:<22} {:<9} {:<38} {}\n", k.name,
                      k.family == SdpaBackend::kReference ? "reference" : "fused", dtypes,
                      !k.runs_on_this_cpu        ? "not here: " + k.reason_if_not
                      : k.auto_declines.empty() ? std::string("runs here")

@@ -48,6 +48,7 @@ struct BenchConfig {
   std::string kernel;               // a registered kernel forced by name ("" = the family's best)
   std::string dtype = "f32";        // f32 | bf16 | f16 | f64: the dtype of q (and k, v)
   std::optional<std::string> kv_dtype;  // f32 | bf16 | f16 (| int8 with page_size): k, v (default: dtype)
+  std::string precision = "highest";  // f32 only: SdpaOptions::float32_matmul_precision (highest | high | medium)
   int64_t page_size = 0;  // > 0: K/V in an attn::PagedKvCache of such pages, read by paged_attention
   bool backward = false;            // time the backward pass
   // The variants (SdpaOptions): a sliding window (-1 = unbounded side), softcapping, ALiBi

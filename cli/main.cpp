@@ -130,6 +130,12 @@ int run(int argc, char** argv) {
                     "where present, else native bf16 where this CPU's dot unit pays, else "
                     "widened on a float32 kernel)")
       ->capture_default_str();
+  bench->add_option("--precision", bench_config.precision,
+                    "With --dtype f32: float32_matmul_precision, as torch.set_float32_matmul_precision: "
+                    "highest (float32 FMA kernels), high (bf16x3 on the AMX tiles) or medium (bf16 "
+                    "products on them); high and medium run float32 on the FMA kernels where the CPU "
+                    "has no AMX")
+      ->capture_default_str();
   CLI::Option* kv_dtype_opt = bench->add_option(
       "--kv-dtype", kv_dtype,
       "Element type of k, v: f32, bf16 or f16 (default: --dtype). Another dtype than q's (e.g. "

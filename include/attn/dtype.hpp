@@ -82,4 +82,24 @@ template <> constexpr DType dtype_of<double>() { return DType::kFloat64; }
 template <> constexpr DType dtype_of<int8_t>() { return DType::kInt8; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::kInt32; }
 
+// How float32 matrix products may be computed: torch.set_float32_matmul_precision's three
+// levels, for float32 attention (scaled_dot_product_attention and everything built on it).
+//   kHighest: float32 multiply-adds (the default; the float32 kernels).
+//   kHigh:    each float32 value split exactly into three bf16 terms and the six largest of
+//             their nine cross products summed in float32 (PyTorch's bf16x3): on a matrix
+//             engine (AMX-BF16) several times the float32 FMA rate, error within about twice
+//             the float32 kernels' (docs/API.md has the measured errors).
+//   kMedium:  plain bf16 products of the rounded values, float32 sums: bf16 accuracy.
+// As in PyTorch the level is a permission, not a demand: a CPU without a kernel for it computes
+// at kHighest. kDefault (SdpaOptions' default) means the process-wide level below.
+enum class Float32MatmulPrecision : uint8_t { kDefault, kHighest, kHigh, kMedium };
+
+// The process-wide level (kHighest until set; thread-safe). Setting kDefault restores kHighest.
+void set_float32_matmul_precision(Float32MatmulPrecision precision);
+// "highest", "high" or "medium" (PyTorch's names), else ValueError naming the argument.
+void set_float32_matmul_precision(std::string_view precision);
+Float32MatmulPrecision get_float32_matmul_precision();
+// "highest", "high", "medium" ("default" for kDefault).
+std::string_view float32_matmul_precision_name(Float32MatmulPrecision precision);
+
 }  // namespace attn

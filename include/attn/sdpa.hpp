@@ -129,6 +129,12 @@ struct SdpaOptions {
   // Empty: the backend family's highest-priority kernel that takes the call.
   std::string kernel;
   int num_threads = 0;                // fused kernel threads; 0 = OpenMP's default
+  // For float32 q, k, v: how their products may be computed (attn/dtype.hpp; PyTorch's
+  // torch.set_float32_matmul_precision). kDefault follows set_float32_matmul_precision
+  // (kHighest unless changed). kHigh and kMedium run the forward on cpu.flash.amx_bf16 where the
+  // CPU has AMX-BF16 (elsewhere the float32 kernels run, as in PyTorch); the backward stays
+  // float32.
+  Float32MatmulPrecision float32_matmul_precision = Float32MatmulPrecision::kDefault;
 
   // ---- variants (FlashAttention's semantics; all combine with each other and with the above) --
   // The scores go through these steps, in this order, before the softmax:
@@ -238,6 +244,9 @@ struct SdpaKernelInfo {
   // "" if kAuto may choose it here; else why kAuto prefers another kernel that is faster on this
   // CPU (measured once per process; e.g. the bf16 kernel where vdpbf16ps is slower than FMA).
   std::string auto_declines;
+  // Also takes float32 q, k, v, but only at float32_matmul_precision kHigh or kMedium (computing
+  // on bf16 terms; cpu.flash.amx_bf16); `dtypes` lists what it takes at every precision.
+  bool reduced_float32 = false;
 };
 std::vector<SdpaKernelInfo> sdpa_kernels();
 

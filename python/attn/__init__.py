@@ -28,6 +28,7 @@ from ._attn import (  # noqa: F401
     SelfAttentionV2,
     cache_stats,
     empty_cache,
+    get_float32_matmul_precision,
     load_file,
     load_metadata,
     manual_seed,
@@ -36,6 +37,7 @@ from ._attn import (  # noqa: F401
     save_file,
     sdpa_kernels,
     set_cache_limit,
+    set_float32_matmul_precision,
 )
 
 __version__ = "0.1.0"
@@ -45,6 +47,7 @@ __all__ = [
     "MultiheadAttention", "MultiHeadAttention", "MultiHeadAttentionWrapper", "SelfAttentionV1",
     "SelfAttentionV2", "load_file", "load_metadata", "manual_seed", "rand", "randn", "save_file",
     "scaled_dot_product_attention", "sdpa_kernels", "cache_stats", "set_cache_limit", "empty_cache",
+    "set_float32_matmul_precision", "get_float32_matmul_precision",
 ]
 
 

@@ -66,9 +66,17 @@ class SdpaKernel(TypedDict):
     dtypes: list[str]
     runs_on_this_cpu: bool
     reason_if_not: str
+    reduced_float32: bool
 
 def sdpa_kernels() -> list[SdpaKernel]:
     """Every kernel behind scaled_dot_product_attention, highest priority first."""
+    ...
+
+def set_float32_matmul_precision(precision: Literal["highest", "high", "medium"]) -> None:
+    """torch.set_float32_matmul_precision for attn's float32 attention."""
+    ...
+
+def get_float32_matmul_precision() -> Literal["highest", "high", "medium"]:
     ...
 class CacheStats(TypedDict):
     limit_bytes: int

@@ -130,6 +130,7 @@ nb::list sdpa_kernel_list() {
     d["dtypes"] = dtypes;
     d["runs_on_this_cpu"] = info.runs_on_this_cpu;
     d["reason_if_not"] = info.reason_if_not;
+    d["reduced_float32"] = info.reduced_float32;
     out.append(d);
   }
   return out;
@@ -273,7 +274,19 @@ bfloat16 result is returned as its uint16 bits.)");
         R"(Every kernel behind scaled_dot_product_attention, highest priority first, as dicts:
 name (what kernel= takes), family ("reference" or "fused"), dtypes (the element types it
 computes, e.g. ["float32", "bfloat16", "float16"]), runs_on_this_cpu, and reason_if_not (the CPU
-features this machine lacks; "" when it runs).)");
+features this machine lacks; "" when it runs), and reduced_float32 (it also takes float32, at
+set_float32_matmul_precision("high") or "medium" only).)");
+  m.def(
+      "set_float32_matmul_precision",
+      [](const std::string& precision) { attn::set_float32_matmul_precision(precision); }, "precision"_a,
+      R"(torch.set_float32_matmul_precision for attn's float32 attention: "highest" (float32
+multiply-adds, the default), "high" (bf16x3: three bf16 terms per value, six cross products) or
+"medium" (plain bf16 products). "high" and "medium" run on AMX-BF16 tiles where the CPU has them;
+elsewhere float32 computes at "highest". ValueError for any other string.)");
+  m.def(
+      "get_float32_matmul_precision",
+      [] { return std::string(attn::float32_matmul_precision_name(attn::get_float32_matmul_precision())); },
+      R"(The level set_float32_matmul_precision set: "highest", "high" or "medium".)");
 
   m.def("_varlen_attn", &varlen, "query"_a, "key"_a, "value"_a, "cu_seq_q"_a, "cu_seq_k"_a,
         "max_q"_a, "max_k"_a, "is_causal"_a = false, "causal_alignment"_a = "top_left",

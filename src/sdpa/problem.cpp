@@ -224,6 +224,14 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
   p.dropout_p = o.dropout_p;
   p.dtype = q.dtype();
   p.kv_dtype = k.dtype();
+  if (static_cast<unsigned>(o.float32_matmul_precision) > static_cast<unsigned>(Float32MatmulPrecision::kMedium)) {
+    throw ValueError(fmt::format("scaled_dot_product_attention: float32_matmul_precision must be kDefault, "
+                                 "kHighest, kHigh or kMedium, got {}",
+                                 static_cast<unsigned>(o.float32_matmul_precision)));
+  }
+  p.f32_precision = o.float32_matmul_precision == Float32MatmulPrecision::kDefault
+                        ? get_float32_matmul_precision()
+                        : o.float32_matmul_precision;
   if (o.is_causal && o.attn_mask) {
     throw ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=true, not both");
   }

@@ -38,6 +38,9 @@ struct SdpaProblem {
   // keys and values (a decode step reading a low-precision cache), which only kernels with
   // SdpaKernel::mixed_kv take.
   DType kv_dtype = DType::kFloat32;
+  // SdpaOptions::float32_matmul_precision with kDefault resolved to the process-wide level: what
+  // float32 products may be computed in (kernels that compute in float32 ignore it).
+  Float32MatmulPrecision f32_precision = Float32MatmulPrecision::kHighest;
 
   // Grouped-query attention (SdpaOptions::enable_gqa). The head dim is dim -3 of 3-D and 4-D
   // inputs (the last of `lead`); 2-D inputs have one head. Query head h reads key/value head

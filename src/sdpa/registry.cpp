@@ -222,9 +222,10 @@ SdpaGrads decode_backward(const TensorView& dout, const TensorView& q, const Ten
 // on widened inputs: fp32 accumulation, gradients rounded to the dtype once.
 std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOptions& options) {
   if (std::string r = flash_why_not(k, p, options); !r.empty()) return r;
-  if (options.need_weights) return "need_weights is served by the float32 kernels (widened)";
+  const char* widened = p.dtype == DType::kFloat32 ? "" : " (widened)";
+  if (options.need_weights) return fmt::format("need_weights is served by the float32 kernels{}", widened);
   if (std::string v = p.variants_used(); !v.empty()) {
-    return fmt::format("{} is served by the float32 kernels (widened)", v);
+    return fmt::format("{} is served by the float32 kernels{}", v, widened);
   }
   return "";
 }
@@ -240,19 +241,23 @@ std::string bf16_auto_declines() {
                      "{:.2f}x the float32 FMA rate", s);
 }
 
-// The table for the call's dtype: the AVX512-BF16 kernel takes bf16 only, the AMX one also fp16.
-const cpu::Bf16ForwardKernel& avx512_bf16_table(DType) { return cpu::bf16_kernel_avx512(); }
-const cpu::Bf16ForwardKernel& amx_table(DType dtype) {
-  return dtype == DType::kFloat16 ? cpu::fp16_kernel_amx() : cpu::bf16_kernel_amx();
+// The table for the call: the AVX512-BF16 kernel takes bf16 only, the AMX one also fp16 and
+// float32 at precision "high" (three bf16 terms) or "medium" (one).
+const cpu::Bf16ForwardKernel& avx512_bf16_table(const SdpaProblem&) { return cpu::bf16_kernel_avx512(); }
+const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p) {
+  if (p.dtype == DType::kFloat16) return cpu::fp16_kernel_amx();
+  if (p.dtype == DType::kBFloat16) return cpu::bf16_kernel_amx();
+  return p.f32_precision == Float32MatmulPrecision::kMedium ? cpu::fp32_medium_kernel_amx()
+                                                            : cpu::fp32_high_kernel_amx();
 }
 
-template <const cpu::Bf16ForwardKernel& (*Table)(DType)>
+template <const cpu::Bf16ForwardKernel& (*Table)(const SdpaProblem&)>
 SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const SdpaProblem& p) {
-  if (!cpu::all_finite_16(v)) {  // see bf16_why_not
+  if (!cpu::all_finite(v)) {  // see bf16_why_not
     return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   }
-  return cpu::flash_forward_bf16(Table(p.dtype), q, k, v, options, p);
+  return cpu::flash_forward_bf16(Table(p), q, k, v, options, p);
 }
 #endif
 
@@ -275,7 +280,7 @@ const SdpaKernel kKernels[] = {
     {"cpu.flash.amx_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma | kAmxTile | kAmxBf16,
      kSixteenBit, 450, bf16_why_not, bf16_forward<amx_table>,
-     fused_backward<flash_kernel_avx512>, nullptr},
+     fused_backward<flash_kernel_avx512>, nullptr, false, nullptr, /*reduced_float32=*/true},
     {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
      bf16_why_not, bf16_forward<avx512_bf16_table>, fused_backward<flash_kernel_avx512>,
@@ -335,7 +340,15 @@ std::string kernel_why_not(const SdpaKernel& kernel, const SdpaProblem& problem,
     dtype_ok = dtype_ok || d == problem.dtype;
     takes += fmt::format("{}{}", takes.empty() ? "" : ", ", dtype_name(d));
   }
-  if (!dtype_ok) return fmt::format("dtype {} not supported (takes {})", dtype_name(problem.dtype), takes);
+  const bool reduced = kernel.reduced_float32 && problem.dtype == DType::kFloat32;
+  if (reduced) {
+    dtype_ok = problem.f32_precision != Float32MatmulPrecision::kHighest;
+    takes += ", and float32 at float32_matmul_precision 'high' or 'medium'";
+  }
+  if (!dtype_ok) {
+    return fmt::format("dtype {}{} not supported (takes {})", dtype_name(problem.dtype),
+                       reduced ? " at float32_matmul_precision 'highest'" : "", takes);
+  }
   if (problem.kv_dtype != problem.dtype && !kernel.mixed_kv) {
     return fmt::format("query {} with key/value {}: mixed dtypes are taken by the cpu.decode "
                        "kernels only", dtype_name(problem.dtype), dtype_name(problem.kv_dtype));
@@ -405,6 +418,7 @@ std::vector<SdpaKernelInfo> sdpa_kernels() {
     info.dtypes.assign(k.dtypes.begin(), k.dtypes.end());
     info.reason_if_not = detail::missing_features(k);
     info.runs_on_this_cpu = info.reason_if_not.empty();
+    info.reduced_float32 = k.reduced_float32;
     if (info.runs_on_this_cpu && k.auto_declines != nullptr) info.auto_declines = k.auto_declines();
     out.push_back(std::move(info));
   }

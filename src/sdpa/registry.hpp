@@ -41,6 +41,9 @@ struct SdpaKernel {
   bool mixed_kv = false;
   // The split-KV decode builds: their table, which paged_attention runs directly.
   const cpu::DecodeKernel& (*decode)() = nullptr;
+  // Also takes float32 q, k, v where SdpaProblem::f32_precision is kHigh or kMedium (the AMX
+  // kernel, on bf16 terms); float32 is then not in `dtypes`, which lists what it always takes.
+  bool reduced_float32 = false;
 };
 
 // The decode build paged_attention runs: `name` if not empty (ValueError if it is no decode
@@ -94,10 +97,10 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& grad_outpu
                          const SdpaSaved& forward, const SdpaOptions& options,
                          const detail::SdpaProblem& problem);
 struct Bf16ForwardKernel;
-// The 16-bit forward (flash_fwd_bf16.cpp) with one kernel's functions (flash_bf16.hpp), and
-// the check it needs: true if no element of a bf16 or fp16 tensor is NaN or Inf.
+// The low-precision forward (flash_fwd_bf16.cpp) with one kernel's functions (flash_bf16.hpp), and
+// the check it needs: true if no element of the tensor is NaN or Inf.
 SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kernel, const TensorView& q,
                               const TensorView& k, const TensorView& v, const SdpaOptions& options,
                               const detail::SdpaProblem& problem);
-bool all_finite_16(const TensorView& t);
+bool all_finite(const TensorView& t);  // float32, bfloat16 or float16
 }  // namespace attn::cpu

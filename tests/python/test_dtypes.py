@@ -187,12 +187,36 @@ def test_sdpa_kernels_lists_the_reference():
     kernels = attn.sdpa_kernels()
     assert len({k["name"] for k in kernels}) == len(kernels)
     for k in kernels:
-        assert set(k) == {"name", "family", "dtypes", "runs_on_this_cpu", "reason_if_not"}
+        assert set(k) == {"name", "family", "dtypes", "runs_on_this_cpu", "reason_if_not", "reduced_float32"}
+        assert k["reduced_float32"] == (k["name"] == "cpu.flash.amx_bf16")
         assert k["family"] in ("reference", "fused")
         assert (k["reason_if_not"] == "") == k["runs_on_this_cpu"]
     ref = next(k for k in kernels if k["name"] == "reference")
     assert ref["family"] == "reference" and ref["runs_on_this_cpu"]
     assert set(ref["dtypes"]) == {"float32", "bfloat16", "float16", "float64"}
+
+
+def test_float32_matmul_precision():
+    """torch.set_float32_matmul_precision's levels: "high" keeps float32's accuracy (bf16x3 on the
+    AMX tiles where present, float32 elsewhere); "medium" bf16's; a bad level changes nothing."""
+    assert attn.get_float32_matmul_precision() == "highest"
+    q, k, v = rnd(1, 2, 70, 64, seed=1), rnd(1, 2, 90, 64, seed=2), rnd(1, 2, 90, 64, seed=3)
+    truth = np_sdpa(q, k, v)
+    err32 = np.abs(np_sdpa(q, k, v, dtype=np.float32) - truth).max()
+    try:
+        attn.set_float32_matmul_precision("high")
+        assert attn.get_float32_matmul_precision() == "high"
+        out = attn.scaled_dot_product_attention(q, k, v)
+        assert out.dtype == np.float32
+        assert np.abs(out - truth).max() <= 2 * err32 + 1e-6
+        attn.set_float32_matmul_precision("medium")
+        out = attn.scaled_dot_product_attention(q, k, v)
+        assert np.abs(out - truth).max() <= 1e-2
+        with pytest.raises(ValueError, match="'highest', 'high' or 'medium', got 'fast'"):
+            attn.set_float32_matmul_precision("fast")
+        assert attn.get_float32_matmul_precision() == "medium"
+    finally:
+        attn.set_float32_matmul_precision("highest")
 
 
 def test_import_does_not_need_ml_dtypes():

@@ -17,6 +17,7 @@
 #include "sdpa/cpu/sdpa_cases.hpp"
 #include "sdpa/cpu/cpu_features.hpp"
 #include "sdpa/cpu/unit_rates.hpp"
+#include "sdpa/problem.hpp"
 
 namespace attn {
 namespace {
@@ -363,6 +364,112 @@ TEST(SdpaRegistry, Bf16ChoiceFollowsTheMeasuredUnitRates) {
   SdpaOptions forced;
   forced.kernel = "cpu.flash.avx512_bf16";
   EXPECT_EQ(sdpa_kernel_name(q, q, q, forced), "cpu.flash.avx512_bf16");
+}
+
+}  // namespace
+}  // namespace attn
+
+// ---- float32_matmul_precision ---------------------------------------------------------------------
+
+namespace attn {
+namespace {
+
+bool amx_runs_here() {
+  for (const SdpaKernelInfo& k : sdpa_kernels()) {
+    if (k.name == "cpu.flash.amx_bf16") return k.runs_on_this_cpu;
+  }
+  return false;
+}
+
+// Restores the process-wide level whatever a test does to it.
+struct PrecisionGuard {
+  Float32MatmulPrecision saved = get_float32_matmul_precision();
+  ~PrecisionGuard() { set_float32_matmul_precision(saved); }
+};
+
+// "high" and "medium" are permissions, as in PyTorch: the AMX kernel takes float32 under them
+// where the CPU has it; elsewhere, and always at "highest", the float32 kernels run.
+TEST(SdpaFloat32Precision, HighAndMediumRunOnTheTilesWhereTheCpuHasThem) {
+  manual_seed(11);
+  const Tensor q = randn({1, 2, 40, 16});
+  const std::string highest = sdpa_kernel_name(q, q, q, {});
+  EXPECT_NE(highest, "cpu.flash.amx_bf16");
+  for (Float32MatmulPrecision p : {Float32MatmulPrecision::kHigh, Float32MatmulPrecision::kMedium}) {
+    SdpaOptions o;
+    o.float32_matmul_precision = p;
+    EXPECT_EQ(sdpa_kernel_name(q, q, q, o), amx_runs_here() ? "cpu.flash.amx_bf16" : highest)
+        << float32_matmul_precision_name(p);
+    o.need_weights = true;  // the tiles' kernel leaves the weights to the float32 kernels
+    EXPECT_EQ(sdpa_kernel_name(q, q, q, o), highest);
+  }
+  for (const SdpaKernelInfo& k : sdpa_kernels()) EXPECT_EQ(k.reduced_float32, k.name == "cpu.flash.amx_bf16") << k.name;
+}
+
+TEST(SdpaFloat32Precision, ForcingTheTilesAtHighestSaysWhy) {
+  const Tensor q = Tensor::ones({1, 1, 8, 16});
+  SdpaOptions o;
+  o.kernel = "cpu.flash.amx_bf16";
+  const std::string msg = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+  if (amx_runs_here()) {
+    EXPECT_TRUE(contains(msg, "dtype float32 at float32_matmul_precision 'highest' not supported")) << msg;
+    EXPECT_TRUE(contains(msg, "float32 at float32_matmul_precision 'high' or 'medium'")) << msg;
+  } else {
+    EXPECT_TRUE(contains(msg, "needs CPU features")) << msg;
+  }
+  o.kernel = "cpu.flash.avx512_bf16";  // takes no float32 at any level: says so without the level
+  o.float32_matmul_precision = Float32MatmulPrecision::kHigh;
+  const std::string bf16 = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+  EXPECT_FALSE(contains(bf16, "float32_matmul_precision")) << bf16;
+}
+
+// The process-wide level (torch.set_float32_matmul_precision) applies where the call's option is
+// kDefault; the call's own level wins otherwise; bad values are ValueErrors that change nothing.
+TEST(SdpaFloat32Precision, ProcessWideLevelAndItsErrors) {
+  PrecisionGuard guard;
+  const Tensor q = Tensor::ones({1, 1, 8, 16});
+  EXPECT_EQ(detail::check_sdpa(q, q, q, {}).f32_precision, Float32MatmulPrecision::kHighest);
+  set_float32_matmul_precision("high");
+  EXPECT_EQ(get_float32_matmul_precision(), Float32MatmulPrecision::kHigh);
+  EXPECT_EQ(detail::check_sdpa(q, q, q, {}).f32_precision, Float32MatmulPrecision::kHigh);
+  SdpaOptions o;
+  o.float32_matmul_precision = Float32MatmulPrecision::kHighest;
+  EXPECT_EQ(detail::check_sdpa(q, q, q, o).f32_precision, Float32MatmulPrecision::kHighest);
+  set_float32_matmul_precision("medium");
+  EXPECT_EQ(detail::check_sdpa(q, q, q, {}).f32_precision, Float32MatmulPrecision::kMedium);
+
+  const std::string msg = value_error_of([] { set_float32_matmul_precision("bf16"); });
+  EXPECT_TRUE(contains(msg, "'highest', 'high' or 'medium', got 'bf16'")) << msg;
+  EXPECT_EQ(get_float32_matmul_precision(), Float32MatmulPrecision::kMedium);
+  set_float32_matmul_precision(Float32MatmulPrecision::kDefault);  // back to the default level
+  EXPECT_EQ(get_float32_matmul_precision(), Float32MatmulPrecision::kHighest);
+
+  o.float32_matmul_precision = static_cast<Float32MatmulPrecision>(9);
+  const std::string bad = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
+  EXPECT_TRUE(contains(bad, "float32_matmul_precision must be")) << bad;
+  EXPECT_TRUE(contains(bad, "got 9")) << bad;
+}
+
+// At "high" the result of kAuto's choice (the tiles where present) keeps float32's accuracy, and
+// its backward (the float32 kernels') works from that forward.
+TEST(SdpaFloat32Precision, HighKeepsFloat32Accuracy) {
+  manual_seed(12);
+  const Tensor q = randn({1, 2, 70, 64}), k = randn({1, 2, 90, 64}), v = randn({1, 2, 90, 64});
+  SdpaOptions ref;
+  ref.backend = SdpaBackend::kReference;
+  ref.need_lse = true;
+  const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q, k, v, ref);
+  const double ref_err = test::max_abs_err(scaled_dot_product_attention(q, k, v, ref).output, truth.output);
+  SdpaOptions o;
+  o.float32_matmul_precision = Float32MatmulPrecision::kHigh;
+  o.need_lse = true;
+  const SdpaResult f = scaled_dot_product_attention(q, k, v, o);
+  EXPECT_LE(test::max_abs_err(f.output, truth.output), 2.0 * ref_err + 1e-6) << sdpa_kernel_name(q, k, v, o);
+  const Tensor dout = randn({1, 2, 70, 64});
+  const SdpaGrads g = scaled_dot_product_attention_backward(dout, q, k, v, f, o);
+  const SdpaGrads g_ref = scaled_dot_product_attention_backward(dout, q, k, v, scaled_dot_product_attention(q, k, v, ref), ref);
+  const std::vector<float> dq = g.grad_query.to_vector(), dq_ref = g_ref.grad_query.to_vector();
+  ASSERT_EQ(dq.size(), dq_ref.size());
+  for (size_t i = 0; i < dq.size(); ++i) ASSERT_NEAR(dq[i], dq_ref[i], 1e-4) << "dQ element " << i;
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// The AMX-BF16 build of the bfloat16 and float16 fused forward (flash_amx_kernel.hpp): the kernel's tile
+// The AMX-BF16 build of the bfloat16, float16 and float32 ("high", "medium") fused forward (flash_amx_kernel.hpp): the kernel's tile
 // operations on the hardware's eight tile registers. Compiled with -mamx-tile -mamx-bf16 on top
 // of the AVX512-BF16 flags; the registry runs it only on a CPU with all of them and with Linux's
 // permission to use the tile state (cpu_features.cpp asks for it once per process).
@@ -53,7 +53,10 @@ struct AmxTiles {
 
 }  // namespace
 
-const Bf16ForwardKernel& bf16_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, 1>(); }
-const Bf16ForwardKernel& fp16_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, 2>(); }
+using amx_kernel::Src;
+const Bf16ForwardKernel& bf16_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kBf16, 1>(); }
+const Bf16ForwardKernel& fp16_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kFp16, 2>(); }
+const Bf16ForwardKernel& fp32_high_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kFp32, 3>(); }
+const Bf16ForwardKernel& fp32_medium_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kFp32, 1>(); }
 
 }  // namespace attn::cpu

@@ -1,5 +1,6 @@
-// Fused attention forward for bfloat16 and float16 q, k, v on a matrix-tile engine (AMX-BF16's
-// tdpbf16ps), written once over a `Tiles` type that provides the tile instructions:
+// Fused attention forward for bfloat16, float16 and (float32_matmul_precision "high" or "medium")
+// float32 q, k, v on a matrix-tile engine (AMX-BF16's tdpbf16ps), written once over a `Tiles`
+// type that provides the tile instructions:
 // flash_amx_bf16.cpp runs it on the hardware's tiles, and a test runs the same code on an
 // emulation of them, so that the layouts, tails and masks are checked on CPUs without AMX too.
 //
@@ -7,7 +8,10 @@
 // bits) is exactly the sum of two bf16 terms, hi + lo (split_row), and so is P to 16 bits: each
 // product runs as hi.hi + hi.lo + lo.hi (T = 2: three tile products, lo.lo dropped, 2^-16 of
 // the product), still far above the float32 FMA rate, with the fp16 output's rounding (2^-11)
-// dominating the error.
+// dominating the error. A float32 input (24 significant bits) is exactly hi + mid + lo (T = 3,
+// "high", torch's bf16x3): the six products whose terms' ranks add to at most 2 run (hi.hi,
+// hi.mid, mid.hi, hi.lo, mid.mid, lo.hi); the three dropped are below 2^-24 of the product, the
+// float32 rounding's size. "medium" is T = 1 on float32 inputs: plain bf16 products.
 //
 // Shapes and tiling, for a block of BQ = 32 queries (two tiles of 16 rows) of one (batch, head)
 // and BK = 64 keys at a time; Ep = E rounded up to 32, Evp = Ev rounded up to 16, Sp = S rounded
@@ -30,7 +34,7 @@
 // packed copies (L2-resident for S up to a few thousand); ob stays in L1 (32 x Evp x 4 bytes).
 //
 // Numerics as the AVX512-BF16 kernel (flash_avx512_bf16.cpp): exact bf16 products, float32
-// accumulation (the tiles flush bf16 subnormals to zero), P rounded to its terms for P.V while
+// accumulation (the tiles flush bf16 subnormals to zero), P split into its terms for P.V while
 // the row sums use the float32 P, output rounded to the input dtype once, LSE float32. The
 // registry keeps a V holding NaN/Inf from this kernel (a zero weight times Inf would be NaN).
 //
@@ -75,32 +79,49 @@ inline __mmask16 first_lanes(int64_t live) {  // lanes [0, live) of 16
 inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 inline __m512 from_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-// 16 floats as T bf16 terms: hi = bf16(x); for T = 2 also lo = bf16(x - hi) (0 where x is not
-// finite, so that Inf stays Inf and NaN stays NaN in hi alone).
+// 16 floats as T bf16 terms, plane t at out + t * plane: hi = bf16(x), then each next term the
+// bf16 of what is left (exact differences); left-overs are 0 where x is not finite, so that Inf
+// and NaN stay in hi alone.
 template <int T>
-inline void split16(__m512 x, uint16_t* hi, uint16_t* lo) {
-  const __m256i h = to_bf16(x);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), h);
-  if constexpr (T == 2) {
+inline void split16(__m512 x, uint16_t* out, int64_t plane) {
+  __m256i h = to_bf16(x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+  if constexpr (T > 1) {
     const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), to_bf16(_mm512_maskz_sub_ps(finite, x, from_bf16(h))));
-  }
-}
-
-// A row of n inputs (bf16 bits for T = 1, fp16 for T = 2) as T bf16 planes, zero padded to
-// n_pad (a multiple of 16). For fp16, hi + lo is the value exactly: hi keeps 8 of its 11
-// significant bits (rounded to nearest), lo the at most 4 signed bits left.
-template <int T>
-inline void split_row(const uint16_t* src, int64_t n, int64_t n_pad, uint16_t* hi, uint16_t* lo) {
-  for (int64_t c = 0; c < n_pad; c += 16) {
-    const __m256i raw = _mm256_maskz_loadu_epi16(first_lanes(n - c), src + c);
-    if constexpr (T == 1) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), raw);
-    } else {
-      split16<T>(_mm512_cvtph_ps(raw), hi + c, lo + c);
+    for (int t = 1; t < T; ++t) {
+      x = _mm512_maskz_sub_ps(finite, x, from_bf16(h));
+      h = to_bf16(x);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * plane), h);
     }
   }
 }
+
+// What the kernel reads and writes: bf16 (always one term), fp16 (two) or float32 (three for
+// "high", one for "medium").
+enum class Src { kBf16, kFp16, kFp32 };
+
+// A row of n inputs as T bf16 planes (plane t at out + t * plane), zero padded to n_pad (a
+// multiple of 16). For fp16, hi + lo is the value exactly: hi keeps 8 of its 11 significant bits
+// (rounded to nearest), lo the at most 4 signed bits left; for float32 the three terms likewise.
+template <Src In, int T>
+inline void split_row(const void* src, int64_t n, int64_t n_pad, uint16_t* out, int64_t plane) {
+  for (int64_t c = 0; c < n_pad; c += 16) {
+    if constexpr (In == Src::kFp32) {
+      split16<T>(_mm512_maskz_loadu_ps(first_lanes(n - c), static_cast<const float*>(src) + c), out + c, plane);
+    } else {
+      const __m256i raw = _mm256_maskz_loadu_epi16(first_lanes(n - c), static_cast<const uint16_t*>(src) + c);
+      if constexpr (In == Src::kBf16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), raw);
+      } else {
+        split16<T>(_mm512_cvtph_ps(raw), out + c, plane);
+      }
+    }
+  }
+}
+
+// Bytes of one input element.
+template <Src In>
+constexpr int64_t kInBytes = In == Src::kFp32 ? 4 : 2;
 
 template <int T>
 inline int64_t packed_k_words(int64_t S, int64_t E) { return T * round_up(S, kBK) * round_up(E, 32) / 2; }
@@ -109,16 +130,16 @@ inline int64_t packed_v_words(int64_t S, int64_t Ev) { return T * round_up(S, kB
 
 // K as T planes of the B operand's layout: in plane t, key tile kt (16 keys) and pair row e2
 // hold (k_t[n][2e2], k_t[n][2e2+1]) for the tile's keys n; keys past S are zero.
-template <int T>
-inline void pack_k(const uint16_t* k, int64_t k_row, int64_t S, int64_t E, uint32_t* out) {
+template <Src In, int T>
+inline void pack_k(const void* k, int64_t k_row, int64_t S, int64_t E, uint32_t* out) {
   const int64_t ep = round_up(E, 32), e2n = ep / 2, sp = round_up(S, kBK), plane = sp * e2n;
-  uint16_t* const terms = new uint16_t[static_cast<size_t>(2 * ep)];
+  uint16_t* const terms = new uint16_t[static_cast<size_t>(T * ep)];
   for (int64_t key = 0; key < sp; ++key) {
     uint32_t* dst = out + (key / 16) * e2n * 16 + key % 16;
     if (key < S) {
-      split_row<T>(k + key * k_row, E, ep, terms, terms + ep);
+      split_row<In, T>(static_cast<const char*>(k) + key * k_row * kInBytes<In>, E, ep, terms, ep);
     } else {
-      for (int64_t i = 0; i < 2 * ep; ++i) terms[i] = 0;
+      for (int64_t i = 0; i < T * ep; ++i) terms[i] = 0;
     }
     for (int t = 0; t < T; ++t) {
       const uint16_t* row = terms + t * ep;
@@ -131,22 +152,22 @@ inline void pack_k(const uint16_t* k, int64_t k_row, int64_t S, int64_t E, uint3
 }
 
 // V as T planes of key pairs (v_t[2j2][c], v_t[2j2+1][c]) over Evp columns; zero past S and Ev.
-template <int T>
-inline void pack_v(const uint16_t* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out) {
+template <Src In, int T>
+inline void pack_v(const void* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out) {
   const int64_t evp = round_up(Ev, 16), s2 = round_up(S, kBK) / 2, plane = s2 * evp;
-  uint16_t* const rows = new uint16_t[static_cast<size_t>(4 * evp)];  // [key of the pair][term][evp]
+  uint16_t* const rows = new uint16_t[static_cast<size_t>(2 * T * evp)];  // [key of the pair][term][evp]
   for (int64_t j2 = 0; j2 < s2; ++j2) {
     for (int r = 0; r < 2; ++r) {
-      uint16_t* dst = rows + 2 * r * evp;
+      uint16_t* dst = rows + r * T * evp;
       if (2 * j2 + r < S) {
-        split_row<T>(v + (2 * j2 + r) * v_row, Ev, evp, dst, dst + evp);
+        split_row<In, T>(static_cast<const char*>(v) + (2 * j2 + r) * v_row * kInBytes<In>, Ev, evp, dst, evp);
       } else {
-        for (int64_t i = 0; i < 2 * evp; ++i) dst[i] = 0;
+        for (int64_t i = 0; i < T * evp; ++i) dst[i] = 0;
       }
     }
     for (int t = 0; t < T; ++t) {
       const uint16_t* even = rows + t * evp;
-      const uint16_t* odd = rows + (2 + t) * evp;
+      const uint16_t* odd = rows + (T + t) * evp;
       uint32_t* dst = out + t * plane + j2 * evp;
       for (int64_t c = 0; c < evp; ++c) dst[c] = even[c] | static_cast<uint32_t>(odd[c]) << 16;
     }
@@ -154,9 +175,11 @@ inline void pack_v(const uint16_t* v, int64_t v_row, int64_t S, int64_t Ev, uint
   delete[] rows;
 }
 
+// T = 3 accumulates each key block's P.V in fresh tiles (pvt below), so one more output-sized
+// buffer.
 template <int T>
 inline int64_t workspace_bytes(int64_t E, int64_t Ev) {
-  return T * kBQ * round_up(E, 32) * 2 + kBQ * kBK * 4 + T * kBQ * kBK * 2 + kBQ * round_up(Ev, 16) * 4;
+  return T * kBQ * round_up(E, 32) * 2 + kBQ * kBK * 4 + T * kBQ * kBK * 2 + (T == 3 ? 2 : 1) * kBQ * round_up(Ev, 16) * 4;
 }
 
 // One row of the block's scores (base 2 after scaling) through the online softmax: masks, the
@@ -210,7 +233,7 @@ inline void softmax_row(const FlashParams& p, const FlashBlock16& b, int64_t q, 
       pr[jj] = dropout_keep(p, b.bh, b.i0 + q, j0 + jj) ? pr[jj] * inv_keep : pr[jj] * 0.0f;
     }
   }
-  for (int v = 0; v < 4; ++v) split16<T>(_mm512_load_ps(pr + 16 * v), pb_row + 16 * v, pb_row + kBQ * kBK + 16 * v);
+  for (int v = 0; v < 4; ++v) split16<T>(_mm512_load_ps(pr + 16 * v), pb_row + 16 * v, kBQ * kBK);
   const __m512 av = _mm512_set1_ps(alpha);
   for (int64_t c = 0; c < evp; c += 16) _mm512_storeu_ps(ob_row + c, _mm512_mul_ps(_mm512_loadu_ps(ob_row + c), av));
 }
@@ -218,10 +241,14 @@ inline void softmax_row(const FlashParams& p, const FlashBlock16& b, int64_t q, 
 // Tile register roles: C0-C3 accumulators, A0-A1 the row operands, B0-B1 the column operands.
 enum : int { kC0 = 0, kC1 = 1, kC2 = 2, kC3 = 3, kA0 = 4, kA1 = 5, kB0 = 6, kB1 = 7 };
 
-// The pairs of terms (of A, of B) whose products are summed: all but lo.lo.
-constexpr int kTermPairs[3][2] = {{0, 0}, {0, 1}, {1, 0}};
+// The pairs of terms (of A, of B) whose products are summed: those whose ranks add to at most
+// T - 1 (T = 2: all but lo.lo; T = 3: six of nine), largest first. They are summed in reverse,
+// so that the small products accumulate among themselves before hi.hi's pass adds to them: in
+// the other order each of them would be rounded against the large sum, and T = 3's score error
+// measured 3-6x float32's instead of within 2x.
+constexpr int kTermPairs[6][2] = {{0, 0}, {0, 1}, {1, 0}, {0, 2}, {1, 1}, {2, 0}};
 template <int T>
-constexpr int kNumPairs = T == 1 ? 1 : 3;
+constexpr int kNumPairs = T == 1 ? 1 : T == 2 ? 3 : 6;
 
 // st[0:32, 32*h : 32*h + 32] = qa . K^T over the 32 keys starting at key tile kt.
 template <class Tiles, int T>
@@ -232,7 +259,7 @@ inline void scores_32(Tiles& t, const uint16_t* qa, int64_t ep, const uint32_t* 
   t.template zero<kC1>();
   t.template zero<kC2>();
   t.template zero<kC3>();
-  for (int pair = 0; pair < kNumPairs<T>; ++pair) {
+  for (int pair = kNumPairs<T> - 1; pair >= 0; --pair) {  // smallest first: see kTermPairs
     const uint16_t* qt = qa + kTermPairs[pair][0] * kBQ * ep;
     const uint32_t* kpt = kp + kTermPairs[pair][1] * k_plane;
     for (int64_t s = 0; s < ep / 32; ++s) {
@@ -254,16 +281,28 @@ inline void scores_32(Tiles& t, const uint16_t* qa, int64_t ep, const uint32_t* 
 }
 
 // ob[0:32, c0 : c0 + 16*NC] += pb[:, 0 : 32*ns] . V[j0 : j0 + 32*ns, c0 : ...], NC = 1 or 2.
+// T = 3 (float32 "high") starts from zeroed tiles instead (`ob` is then the block's own
+// buffer): the six passes' small products are not rounded against the running output, which the
+// driver adds the block to afterwards.
 template <class Tiles, int T, int NC>
 inline void pv_cols(Tiles& t, const uint16_t* pb, const uint32_t* vp, int64_t v_plane, int64_t evp, int64_t ns,
                     int64_t c0, float* ob) {
-  t.template load<kC0>(ob + c0, evp * 4);
-  t.template load<kC2>(ob + 16 * evp + c0, evp * 4);
-  if constexpr (NC == 2) {
-    t.template load<kC1>(ob + c0 + 16, evp * 4);
-    t.template load<kC3>(ob + 16 * evp + c0 + 16, evp * 4);
+  if constexpr (T == 3) {
+    t.template zero<kC0>();
+    t.template zero<kC2>();
+    if constexpr (NC == 2) {
+      t.template zero<kC1>();
+      t.template zero<kC3>();
+    }
+  } else {
+    t.template load<kC0>(ob + c0, evp * 4);
+    t.template load<kC2>(ob + 16 * evp + c0, evp * 4);
+    if constexpr (NC == 2) {
+      t.template load<kC1>(ob + c0 + 16, evp * 4);
+      t.template load<kC3>(ob + 16 * evp + c0 + 16, evp * 4);
+    }
   }
-  for (int pair = 0; pair < kNumPairs<T>; ++pair) {
+  for (int pair = kNumPairs<T> - 1; pair >= 0; --pair) {  // smallest first: see kTermPairs
     const uint16_t* pt = pb + kTermPairs[pair][0] * kBQ * kBK;
     const uint32_t* vt = vp + kTermPairs[pair][1] * v_plane;
     for (int64_t s = 0; s < ns; ++s) {
@@ -287,19 +326,21 @@ inline void pv_cols(Tiles& t, const uint16_t* pb, const uint32_t* vp, int64_t v_
   }
 }
 
-// T = 1: bf16 in and out; T = 2: fp16 in and out.
-template <class Tiles, int T>
+// In and out in the same dtype; T terms per value.
+template <class Tiles, Src In, int T>
 void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace) {
   const int64_t ep = round_up(p.E, 32), evp = round_up(p.Ev, 16);
   auto* qa = static_cast<uint16_t*>(workspace);
   auto* st = reinterpret_cast<float*>(qa + T * kBQ * ep);
   auto* pb = reinterpret_cast<uint16_t*>(st + kBQ * kBK);
   auto* ob = reinterpret_cast<float*>(pb + T * kBQ * kBK);
+  float* const pvt = T == 3 ? ob + kBQ * evp : ob;  // where P.V of a key block lands (pv_cols)
   const int64_t k_plane = packed_k_words<1>(p.S, p.E), v_plane = packed_v_words<1>(p.S, p.Ev);
 
   for (int64_t q = 0; q < kBQ; ++q) {
     const bool live = q < b.nq;  // rows past nq are zero
-    split_row<T>(live ? b.q + q * p.q_row : b.q, live ? p.E : 0, ep, qa + q * ep, qa + (kBQ + q) * ep);
+    const char* row = static_cast<const char*>(b.q) + (live ? q * p.q_row * kInBytes<In> : 0);
+    split_row<In, T>(row, live ? p.E : 0, ep, qa + q * ep, kBQ * ep);
   }
   std::memset(ob, 0, static_cast<size_t>(kBQ * evp) * sizeof(float));
   // Rows past nq are never softmaxed: their P stays 0.
@@ -325,24 +366,29 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
     }
     const uint32_t* vp = b.vp + j0 / 2 * evp;
     int64_t c0 = 0;
-    for (; c0 + 32 <= evp; c0 += 32) pv_cols<Tiles, T, 2>(t, pb, vp, v_plane, evp, ns, c0, ob);
-    if (c0 < evp) pv_cols<Tiles, T, 1>(t, pb, vp, v_plane, evp, ns, c0, ob);
+    for (; c0 + 32 <= evp; c0 += 32) pv_cols<Tiles, T, 2>(t, pb, vp, v_plane, evp, ns, c0, pvt);
+    if (c0 < evp) pv_cols<Tiles, T, 1>(t, pb, vp, v_plane, evp, ns, c0, pvt);
+    if constexpr (T == 3) {
+      for (int64_t i = 0; i < b.nq * evp; i += 16) {
+        _mm512_storeu_ps(ob + i, _mm512_add_ps(_mm512_loadu_ps(ob + i), _mm512_loadu_ps(pvt + i)));
+      }
+    }
   }
   t.release();
 
   for (int64_t q = 0; q < b.nq; ++q) {
     const __m512 inv = _mm512_set1_ps(l[q] > 0.0f ? 1.0f / l[q] : 0.0f);
-    uint16_t* out = b.o + q * p.o_row;
     const float* row = ob + q * evp;  // evp columns: the last vector's load stays in the row
     for (int64_t c = 0; c < p.Ev; c += 16) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + c), inv);
-      __m256i h;  // NaN stays NaN in both conversions
-      if constexpr (T == 1) {
-        h = to_bf16(x);
+      if constexpr (In == Src::kFp32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(b.o) + q * p.o_row + c, first_lanes(p.Ev - c), x);
       } else {
-        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i h = In == Src::kBf16  // NaN stays NaN in both conversions
+                              ? to_bf16(x)
+                              : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(b.o) + q * p.o_row + c, first_lanes(p.Ev - c), h);
       }
-      _mm256_mask_storeu_epi16(out + c, first_lanes(p.Ev - c), h);
     }
     if (b.lse != nullptr) {  // base 2, as the float32 kernel's
       b.lse[q] = l[q] > 0.0f ? m[q] + __builtin_log2f(l[q]) : kNegInf;
@@ -351,11 +397,12 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   }
 }
 
-// The driver's table for one Tiles type: T = 1 for bfloat16 inputs, 2 for float16.
-template <class Tiles, int T>
+// The driver's table for one Tiles type, input and number of terms: bfloat16 (T = 1), float16
+// (T = 2), float32 "high" (T = 3) or "medium" (T = 1).
+template <class Tiles, Src In, int T>
 const Bf16ForwardKernel& kernel_table() {
-  static const Bf16ForwardKernel k{kBQ, workspace_bytes<T>, packed_k_words<T>, pack_k<T>,
-                                   packed_v_words<T>, pack_v<T>, forward_block<Tiles, T>};
+  static const Bf16ForwardKernel k{kBQ, workspace_bytes<T>, packed_k_words<T>, pack_k<In, T>,
+                                   packed_v_words<T>, pack_v<In, T>, forward_block<Tiles, In, T>};
   return k;
 }
 

@@ -170,8 +170,9 @@ int64_t packed_v_words(int64_t S, int64_t Ev) { return (S + 1) / 2 * ((Ev + 15) 
 
 // V of one head (S rows of Ev bf16, row stride v_row) as key pairs for vdpbf16ps:
 // out[j2 * Evp + c] = v[2 j2][c] | v[2 j2 + 1][c] << 16, Evp = Ev rounded up to 16, zero padded.
-void pack_v_pairs(const uint16_t* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out) {
+void pack_v_pairs(const void* v_bits, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out) {
   const int64_t evp = (Ev + 15) / 16 * 16;
+  const auto* v = static_cast<const uint16_t*>(v_bits);
   for (int64_t j2 = 0; j2 < (S + 1) / 2; ++j2) {
     const uint16_t* v0 = v + 2 * j2 * v_row;
     const bool odd_tail = 2 * j2 + 1 >= S;
@@ -191,13 +192,15 @@ void pack_v_pairs(const uint16_t* v, int64_t v_row, int64_t S, int64_t Ev, uint3
 
 void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace) {
   const int64_t evp = (p.Ev + 15) / 16 * 16, e2n = (p.E + 1) / 2;
+  const auto* bq = static_cast<const uint16_t*>(b.q);
+  const auto* bk = static_cast<const uint16_t*>(b.k);
   auto* qt2 = static_cast<uint32_t*>(workspace);
   auto* st = reinterpret_cast<float*>(qt2 + e2n * kBQ);
   auto* pp = reinterpret_cast<uint32_t*>(st + kBK * kBQ);
   auto* ob = reinterpret_cast<float*>(pp + kBK / 2 * kBQ);
 
   for (int64_t e2 = 0; e2 < e2n; ++e2) {
-    for (int64_t q = 0; q < kBQ; ++q) qt2[e2 * kBQ + q] = q < b.nq ? pair_at(b.q + q * p.q_row, e2, p.E) : 0u;
+    for (int64_t q = 0; q < kBQ; ++q) qt2[e2 * kBQ + q] = q < b.nq ? pair_at(bq + q * p.q_row, e2, p.E) : 0u;
   }
   std::memset(ob, 0, static_cast<size_t>(kBQ * evp) * sizeof(float));
   __m512 m[2] = {_mm512_set1_ps(kNegInf), _mm512_set1_ps(kNegInf)};
@@ -211,8 +214,8 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   for (int64_t j0 = 0; j0 < s_end; j0 += kBK) {
     const int64_t nk = imin(kBK, s_end - j0), nk2 = (nk + 1) / 2;
     int64_t jj = 0;
-    for (; jj + kJT <= nk; jj += kJT) scores_tile<kJT>(qt2, b.k + (j0 + jj) * p.k_row, p.k_row, p.E, st + jj * kBQ);
-    for (; jj < nk; ++jj) scores_tile<1>(qt2, b.k + (j0 + jj) * p.k_row, p.k_row, p.E, st + jj * kBQ);
+    for (; jj + kJT <= nk; jj += kJT) scores_tile<kJT>(qt2, bk + (j0 + jj) * p.k_row, p.k_row, p.E, st + jj * kBQ);
+    for (; jj < nk; ++jj) scores_tile<1>(qt2, bk + (j0 + jj) * p.k_row, p.k_row, p.E, st + jj * kBQ);
     for (int64_t i = 0; i < nk * kBQ; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), scale));
     mask_block(p, b, j0, nk, st);
 
@@ -268,7 +271,7 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   _mm512_store_ps(mv + 16, m[1]);
   for (int64_t q = 0; q < b.nq; ++q) {
     const float inv = lv[q] > 0.0f ? 1.0f / lv[q] : 0.0f;
-    uint16_t* out = b.o + q * p.o_row;
+    uint16_t* out = static_cast<uint16_t*>(b.o) + q * p.o_row;
     const float* row = ob + q * evp;
     int64_t c = 0;
     for (; c + 16 <= p.Ev; c += 16) {

@@ -1,6 +1,8 @@
-// The 16-bit fused forward kernels: one block of up to 32 queries of one (batch, head) with
-// bf16 (or, for the AMX kernel, fp16) q, k, v and output. Same FlashParams as the float32 kernels (row strides in elements),
-// their own block struct because the pointers are 16-bit. Each kernel (AVX512-BF16:
+// The low-precision fused forward kernels: one block of up to 32 queries of one (batch, head)
+// with bf16 q, k, v and output (or, for the AMX kernel, fp16, and float32 computed at
+// float32_matmul_precision "high" or "medium" on bf16 terms). Same FlashParams as the float32
+// kernels (row strides in elements); their own block struct because the element type is the
+// kernel's (its table knows which). Each kernel (AVX512-BF16:
 // flash_avx512_bf16.cpp; AMX-BF16: flash_amx_bf16.cpp) is a table of functions the one driver
 // (flash_fwd_bf16.cpp) runs: it packs K and V of every key/value head once, in the kernel's
 // layout, before any query block reads them.
@@ -14,11 +16,11 @@
 namespace attn::cpu {
 
 struct FlashBlock16 {
-  const uint16_t* q;   // first query row of the block (bf16 or fp16 bits)
-  const uint16_t* k;   // key rows of this head
+  const void* q;       // first query row of the block, in the kernel's input dtype
+  const void* k;       // key rows of this head
   const uint32_t* kp;  // K of this head in the kernel's layout (Bf16ForwardKernel::pack_k)
   const uint32_t* vp;  // V of this head in the kernel's layout (Bf16ForwardKernel::pack_v)
-  uint16_t* o;         // first output row of the block
+  void* o;             // first output row of the block
   float* lse;          // base-2 LSE of the block's rows, or nullptr
   const float* mask;   // the (i0, 0) element of this head's mask, or nullptr
   int64_t i0, nq;      // first query index and number of queries
@@ -28,20 +30,23 @@ struct FlashBlock16 {
 struct Bf16ForwardKernel {
   int64_t block_q;  // queries per block (FlashBlock16::nq <= block_q)
   int64_t (*workspace_bytes)(int64_t E, int64_t Ev);  // per thread
-  // K of one head (S rows of E bf16, row stride k_row) in 32-bit words; nullptr (with pack_k):
-  // the kernel reads FlashBlock16::k directly.
+  // K of one head (S rows of E elements, row stride k_row) in 32-bit words; nullptr (with
+  // pack_k): the kernel reads FlashBlock16::k directly.
   int64_t (*packed_k_words)(int64_t S, int64_t E);
-  void (*pack_k)(const uint16_t* k, int64_t k_row, int64_t S, int64_t E, uint32_t* out);
+  void (*pack_k)(const void* k, int64_t k_row, int64_t S, int64_t E, uint32_t* out);
   int64_t (*packed_v_words)(int64_t S, int64_t Ev);
-  void (*pack_v)(const uint16_t* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out);
+  void (*pack_v)(const void* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out);
   void (*forward_block)(const FlashParams& p, const FlashBlock16& b, void* workspace);
 };
 
 // The AVX512-BF16 (vdpbf16ps) kernel: built with -mavx512{f,vl,dq,bw,bf16} -mfma.
 const Bf16ForwardKernel& bf16_kernel_avx512();
-// The AMX-BF16 (tdpbf16ps) kernel, for bf16 inputs and for fp16 ones (each value as two bf16
-// terms): built with the same flags plus -mamx-tile -mamx-bf16.
+// The AMX-BF16 (tdpbf16ps) kernel, for bf16 inputs, fp16 ones (each value as two bf16 terms)
+// and float32 ones at float32_matmul_precision "high" (three terms) or "medium" (one): built
+// with the same flags plus -mamx-tile -mamx-bf16.
 const Bf16ForwardKernel& bf16_kernel_amx();
 const Bf16ForwardKernel& fp16_kernel_amx();
+const Bf16ForwardKernel& fp32_high_kernel_amx();
+const Bf16ForwardKernel& fp32_medium_kernel_amx();
 
 }  // namespace attn::cpu

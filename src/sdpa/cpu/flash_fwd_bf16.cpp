@@ -1,6 +1,7 @@
-// The driver of the bfloat16 fused forward (kernels: flash_avx512_bf16.cpp, flash_amx_bf16.cpp):
-// the float32 driver's work items and thread schedule (flash_fwd.cpp) over 16-bit q, k, v and
-// output, with K and V of every key/value head packed once in the kernel's layout.
+// The driver of the low-precision fused forward (kernels: flash_avx512_bf16.cpp,
+// flash_amx_bf16.cpp): the float32 driver's work items and thread schedule (flash_fwd.cpp) over
+// q, k, v and output in the kernel's input dtype (bf16, fp16, or float32 computed on bf16
+// terms), with K and V of every key/value head packed once in the kernel's layout.
 // Every output row is produced by one work item in a fixed order: bit-identical results for
 // any thread count.
 #include <algorithm>
@@ -17,10 +18,15 @@
 
 namespace attn::cpu {
 
-bool all_finite_16(const TensorView& t) {
+bool all_finite(const TensorView& t) {
+  bool ok = true;
+  if (t.dtype() == DType::kFloat32) {
+    const auto* x = static_cast<const float*>(t.raw_data());
+    for_each_offset(t, [&](int64_t o) { ok = ok && x[o] - x[o] == 0.0f; });
+    return ok;
+  }
   const auto* bits = static_cast<const uint16_t*>(t.raw_data());
   const uint16_t exponent = t.dtype() == DType::kFloat16 ? 0x7c00u : 0x7f80u;  // all ones: Inf or NaN
-  bool ok = true;
   for_each_offset(t, [&](int64_t o) { ok = ok && (bits[o] & exponent) != exponent; });
   return ok;
 }
@@ -39,10 +45,12 @@ SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q
   const std::vector<int64_t> items = forward_work_items(p, bq);
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   const int64_t ws_bytes = kern.workspace_bytes(p.E, p.Ev);
-  const auto* qd = static_cast<const uint16_t*>(q.raw_data());
-  const auto* kd = static_cast<const uint16_t*>(k.raw_data());
-  const auto* vd = static_cast<const uint16_t*>(v.raw_data());
-  auto* const out = static_cast<uint16_t*>(result.output.raw_data());
+  // Byte pointers: offsets below are in elements of the input dtype, times its size.
+  const int64_t es = dtype_size(p.dtype);
+  const auto* qd = static_cast<const char*>(q.raw_data());
+  const auto* kd = static_cast<const char*>(k.raw_data());
+  const auto* vd = static_cast<const char*>(v.raw_data());
+  auto* const out = static_cast<char*>(result.output.raw_data());
   float* const lse = options.need_lse ? result.lse.data() : nullptr;
 
   // K and V of every key/value head in the kernel's layout, once, before any query block reads
@@ -57,9 +65,9 @@ SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
     const int64_t b = first_query_head(kvh);
-    kern.pack_v(vd + detail::kv_lead_offset(v, p, b), fp.v_row, p.S, p.Ev, vpacked.data() + kvh * vwords);
+    kern.pack_v(vd + detail::kv_lead_offset(v, p, b) * es, fp.v_row, p.S, p.Ev, vpacked.data() + kvh * vwords);
     if (kwords > 0) {
-      kern.pack_k(kd + detail::kv_lead_offset(k, p, b), fp.k_row, p.S, p.E, kpacked.data() + kvh * kwords);
+      kern.pack_k(kd + detail::kv_lead_offset(k, p, b) * es, fp.k_row, p.S, p.E, kpacked.data() + kvh * kwords);
     }
   }
 
@@ -74,12 +82,12 @@ SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q
       blk.i0 = i0;
       blk.nq = std::min<int64_t>(bq, p.L - i0);
       blk.bh = b + p.bh_base;
-      blk.q = qd + detail::lead_offset(q, p.lead, b) + i0 * fp.q_row;
-      blk.k = kd + detail::kv_lead_offset(k, p, b);
+      blk.q = qd + (detail::lead_offset(q, p.lead, b) + i0 * fp.q_row) * es;
+      blk.k = kd + detail::kv_lead_offset(k, p, b) * es;
       const int64_t kvh = (b / p.heads_q) * p.heads_kv + (b % p.heads_q) / p.group;
       blk.vp = vpacked.data() + kvh * vwords;
       blk.kp = kwords > 0 ? kpacked.data() + kvh * kwords : nullptr;
-      blk.o = out + (b * p.L + i0) * p.Ev;
+      blk.o = out + (b * p.L + i0) * p.Ev * es;
       blk.lse = lse != nullptr ? lse + b * p.L + i0 : nullptr;
       if (p.mask.defined()) blk.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i0 * fp.mask_row;
       kern.forward_block(fp, blk, ws.data());

@@ -69,9 +69,12 @@ struct EmulatedTiles {
 
 }  // namespace
 
-const Bf16ForwardKernel& amx_kernel_emulated(DType dtype) {
-  return dtype == DType::kFloat16 ? amx_kernel::kernel_table<EmulatedTiles, 2>()
-                                  : amx_kernel::kernel_table<EmulatedTiles, 1>();
+const Bf16ForwardKernel& amx_kernel_emulated(DType dtype, Float32MatmulPrecision precision) {
+  using amx_kernel::Src;
+  if (dtype == DType::kFloat16) return amx_kernel::kernel_table<EmulatedTiles, Src::kFp16, 2>();
+  if (dtype == DType::kBFloat16) return amx_kernel::kernel_table<EmulatedTiles, Src::kBf16, 1>();
+  return precision == Float32MatmulPrecision::kMedium ? amx_kernel::kernel_table<EmulatedTiles, Src::kFp32, 1>()
+                                                      : amx_kernel::kernel_table<EmulatedTiles, Src::kFp32, 3>();
 }
 
 }  // namespace attn::cpu

@@ -6,8 +6,10 @@
 #include "sdpa/cpu/flash_bf16.hpp"
 
 namespace attn::cpu {
-// The bfloat16 or the float16 table.
-const Bf16ForwardKernel& amx_kernel_emulated(DType dtype);
+// The table for bfloat16, float16, or float32 at `precision` ("high": three terms, "medium":
+// one).
+const Bf16ForwardKernel& amx_kernel_emulated(DType dtype,
+                                             Float32MatmulPrecision precision = Float32MatmulPrecision::kHigh);
 // True if this CPU has every feature the emulated kernel's AVX-512 code assumes (the AVX512-BF16
 // build's set: avx512f/vl/dq/bw, avx512_bf16, fma). Inline here, so that its callers (built
 // without AVX-512 flags) compile it, never amx_emulated.cpp.
