@@ -18,3 +18,6 @@ sudo_cmd=()
 export DEBIAN_FRONTEND=noninteractive
 "${sudo_cmd[@]}" apt-get update -q
 "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+# CI (.ci/run sets ATTN_APT_CLEAN=1) drops the downloaded .deb files once installed: about 1.4 GB
+# on a clean machine, which the later stages' disk needs more.
+if [ "${ATTN_APT_CLEAN:-0}" = 1 ]; then "${sudo_cmd[@]}" apt-get clean; fi
