@@ -217,8 +217,9 @@ SdpaGrads decode_backward(const TensorView& dout, const TensorView& q, const Ten
 // The native 16-bit forwards (AMX-BF16 tiles for bf16 and fp16, AVX512-BF16 dot products for
 // bf16) compute what the float32 kernels compute except in two cases they leave to them: the
 // attention weights (no second pass of their own yet: refused, so kAuto takes the next kernel)
-// and a V holding NaN/Inf (their products cannot skip a zero weight: they hand the call to the
-// AVX-512 float32 kernel, widened, themselves). Their backward is the float32 AVX-512 kernel's
+// and values they cannot multiply as float32 would (tiles_take_values: a V holding NaN/Inf, and
+// NaN/Inf in q or k where values are split into terms; they hand the call to the AVX-512 float32
+// kernel, widened, themselves). Their backward is the float32 AVX-512 kernel's
 // on widened inputs: fp32 accumulation, gradients rounded to the dtype once.
 std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOptions& options) {
   if (std::string r = flash_why_not(k, p, options); !r.empty()) return r;
@@ -254,9 +255,7 @@ const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p) {
 template <const cpu::Bf16ForwardKernel& (*Table)(const SdpaProblem&)>
 SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const SdpaProblem& p) {
-  if (!cpu::all_finite(v)) {  // see bf16_why_not
-    return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
-  }
+  if (!tiles_take_values(q, k, v, p)) return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   return cpu::flash_forward_bf16(Table(p), q, k, v, options, p);
 }
 #endif
@@ -312,6 +311,17 @@ std::string known_names() {
 }
 
 }  // namespace
+
+// See registry.hpp. fp16 and float32 "high" are computed as products of split terms: an
+// infinite element is all in its hi term (the others 0), so Inf times another value's zero
+// term is NaN where a float32 product gives +-Inf (a key that a -inf score should drop would
+// turn the row NaN). bf16 and "medium" are one term: only V matters for them.
+bool tiles_take_values(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaProblem& p) {
+  if (!cpu::all_finite(v)) return false;
+  const bool split = p.dtype == DType::kFloat16 ||
+                     (p.dtype == DType::kFloat32 && p.f32_precision == Float32MatmulPrecision::kHigh);
+  return !split || (cpu::all_finite(q) && cpu::all_finite(k));
+}
 
 std::span<const SdpaKernel> sdpa_registry() { return kKernels; }
 

@@ -58,6 +58,13 @@ std::span<const SdpaKernel> sdpa_registry();
 std::string kernel_why_not(const SdpaKernel& kernel, const SdpaProblem& problem,
                            const SdpaOptions& options);
 
+// Whether the native low-precision forwards (cpu.flash.amx_bf16, cpu.flash.avx512_bf16) take
+// these values: false for a V holding NaN/Inf (their products cannot skip a zero weight) and, where
+// values are split into several bf16 terms (fp16; float32 at "high"), for NaN/Inf in q or k.
+// Such calls run on the float32 AVX-512 kernel instead, with the same result as kAuto's float32
+// path.
+bool tiles_take_values(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaProblem& p);
+
 // The kernel a call runs: options.kernel if set (ValueError if unknown or if it refuses the
 // problem), else the highest-priority kernel of options.backend's family that accepts (ValueError
 // listing every kernel's reason if none does). `caller` starts the error messages

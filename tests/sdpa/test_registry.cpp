@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "sdpa/cpu/cpu_features.hpp"
 #include "sdpa/cpu/unit_rates.hpp"
 #include "sdpa/problem.hpp"
+#include "sdpa/registry.hpp"
 
 namespace attn {
 namespace {
@@ -447,6 +449,35 @@ TEST(SdpaFloat32Precision, ProcessWideLevelAndItsErrors) {
   const std::string bad = value_error_of([&] { scaled_dot_product_attention(q, q, q, o); });
   EXPECT_TRUE(contains(bad, "float32_matmul_precision must be")) << bad;
   EXPECT_TRUE(contains(bad, "got 9")) << bad;
+}
+
+// Values split into several bf16 terms (fp16, float32 "high") multiply an infinite element's
+// zero terms too: Inf * 0 = NaN where float32 gives +-Inf, so NaN/Inf in q or k send such calls
+// to the float32 kernel; one-term modes (bf16, "medium") differ only for V, as before.
+TEST(SdpaFloat32Precision, SplitTermsLeaveInfiniteQueriesAndKeysToFloat32) {
+  const Tensor ones = Tensor::ones({1, 1, 4, 16});
+  Tensor inf_q = Tensor::ones({1, 1, 4, 16});
+  inf_q.data()[5] = -std::numeric_limits<float>::infinity();
+  Tensor nan_v = Tensor::ones({1, 1, 4, 16});
+  nan_v.data()[7] = std::numeric_limits<float>::quiet_NaN();
+  auto takes = [](const Tensor& q, const Tensor& k, const Tensor& v, DType dtype, Float32MatmulPrecision level) {
+    SdpaOptions o;
+    o.float32_matmul_precision = level;
+    const Tensor qd = q.to(dtype), kd = k.to(dtype), vd = v.to(dtype);
+    return detail::tiles_take_values(qd, kd, vd, detail::check_sdpa(qd, kd, vd, o));
+  };
+  using P = Float32MatmulPrecision;
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (P level : {P::kHigh, P::kMedium}) {
+      EXPECT_TRUE(takes(ones, ones, ones, d, level)) << dtype_name(d);
+      EXPECT_FALSE(takes(ones, ones, nan_v, d, level)) << dtype_name(d);
+    }
+  }
+  EXPECT_FALSE(takes(inf_q, ones, ones, DType::kFloat32, P::kHigh));
+  EXPECT_FALSE(takes(ones, inf_q, ones, DType::kFloat32, P::kHigh));
+  EXPECT_FALSE(takes(inf_q, ones, ones, DType::kFloat16, P::kHighest));
+  EXPECT_TRUE(takes(inf_q, ones, ones, DType::kFloat32, P::kMedium));
+  EXPECT_TRUE(takes(inf_q, inf_q, ones, DType::kBFloat16, P::kHighest));
 }
 
 // At "high" the result of kAuto's choice (the tiles where present) keeps float32's accuracy, and
