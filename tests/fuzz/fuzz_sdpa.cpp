@@ -1059,6 +1059,59 @@ void run(ByteReader& in) {
       }
     }
   }
+
+#if defined(ATTN_FUZZ_AMX_EMULATED)
+  // float32 at float32_matmul_precision "high" (three bf16 terms) and "medium" (one) on the AMX
+  // kernel's code on emulated tiles, fed what the registry would give it (no weights, no
+  // variants, values tiles_take_values accepts): nothing throws, a float32 output of the right
+  // shape, 1 and 2 threads agree bit for bit. Where every score is small (|scale q.k| <= 30 over
+  // finite inputs, so that the float32 kernels' own error is a few units of the last place), the
+  // error against the float64 truth: "high" within 4x the fused float32 kernel's plus 8 float32
+  // units of (1 + max|v|), "medium" within 8 bf16 units of it.
+  if (!cpu::amx_emulation_runs_here() || o.need_weights || variants_used) return;
+  SdpaOptions fo = o;
+  if (fo.scale) fo.scale = static_cast<double>(static_cast<float>(*fo.scale));
+  fo.generator = nullptr;
+  for (const Float32MatmulPrecision level : {Float32MatmulPrecision::kHigh, Float32MatmulPrecision::kMedium}) {
+    fo.float32_matmul_precision = level;
+    fo.num_threads = p.threads;
+    detail::SdpaProblem prob;
+    must_not_throw("float32 high/medium problem", [&] { prob = detail::check_sdpa(q.view, k.view, v.view, fo); });
+    if (!detail::tiles_take_values(q.view, k.view, v.view, prob)) continue;
+    const cpu::Bf16ForwardKernel& kern = cpu::amx_kernel_emulated(DType::kFloat32, level);
+    SdpaResult a, b2;
+    must_not_throw("float32 high/medium", [&] { a = cpu::flash_forward_bf16(kern, q.view, k.view, v.view, fo, prob); });
+    fo.num_threads = 3 - p.threads;
+    must_not_throw("float32 high/medium (other thread count)",
+                   [&] { b2 = cpu::flash_forward_bf16(kern, q.view, k.view, v.view, fo, prob); });
+    const char* what = level == Float32MatmulPrecision::kHigh ? "high" : "medium";
+    ATTN_FUZZ_CHECKF(a.output.dtype() == DType::kFloat32 && a.output.shape() == out_shape,
+                     "float32 '%s': output dtype/shape; %s", what, desc.c_str());
+    const std::vector<float> x1 = a.output.to_vector(), x2 = b2.output.to_vector();
+    bool same_bits = x1.size() == x2.size();
+    for (size_t i = 0; same_bits && i < x1.size(); ++i) same_bits = x1[i] == x2[i] || (std::isnan(x1[i]) && std::isnan(x2[i]));
+    ATTN_FUZZ_CHECKF(same_bits, "float32 '%s' differs between 1 and 2 threads; %s", what, desc.c_str());
+
+    bool small = !overflow && dotmax * scale_eff <= 30.0;
+    for (float x : qx) small = small && std::isfinite(x);
+    for (float x : kx) small = small && std::isfinite(x);
+    for (float x : vx) small = small && std::isfinite(x);
+    if (!small || torch_dropout) continue;
+    const std::vector<float> fx = fused.output.to_vector();
+    double e = 0, e_fused = 0;
+    for (size_t i = 0; i < x1.size(); ++i) {
+      if (std::isnan(truth.output[i])) continue;
+      e = std::max(e, err(x1[i], truth.output[i]));
+      e_fused = std::max(e_fused, err(fx[i], truth.output[i]));
+    }
+    const double bound = level == Float32MatmulPrecision::kHigh ? 4 * e_fused + 8 * kU * (1 + vmax) * inv_keep
+                                                                : 8 * 0x1p-8 * (1 + vmax) * inv_keep;
+    if (!(e <= bound)) {
+      attn::fuzz::fuzz_fail("float32 '%s': error %.3g > %.3g (fused float32 error %.3g)\n  problem: %s", what, e,
+                            bound, e_fused, desc.c_str());
+    }
+  }
+#endif
 }
 
 }  // namespace
