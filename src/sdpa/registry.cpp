@@ -15,6 +15,7 @@
 #include "attn/error.hpp"
 #include "sdpa/cpu/decode.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
+#include "sdpa/cpu/flash_inputs.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
 #include "sdpa/cpu/unit_rates.hpp"
 
@@ -317,10 +318,11 @@ std::string known_names() {
 // term is NaN where a float32 product gives +-Inf (a key that a -inf score should drop would
 // turn the row NaN). bf16 and "medium" are one term: only V matters for them.
 bool tiles_take_values(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaProblem& p) {
-  if (!cpu::all_finite(v)) return false;
+  auto finite = [](const TensorView& t) { return t.dtype() == DType::kFloat32 ? cpu::all_finite(t) : cpu::all_finite_16(t); };
+  if (!finite(v)) return false;
   const bool split = p.dtype == DType::kFloat16 ||
                      (p.dtype == DType::kFloat32 && p.f32_precision == Float32MatmulPrecision::kHigh);
-  return !split || (cpu::all_finite(q) && cpu::all_finite(k));
+  return !split || (finite(q) && finite(k));
 }
 
 std::span<const SdpaKernel> sdpa_registry() { return kKernels; }

@@ -105,9 +105,9 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& grad_outpu
                          const detail::SdpaProblem& problem);
 struct Bf16ForwardKernel;
 // The low-precision forward (flash_fwd_bf16.cpp) with one kernel's functions (flash_bf16.hpp), and
-// the check it needs: true if no element of the tensor is NaN or Inf.
+// the check it needs: true if no element of a bf16 or fp16 tensor is NaN or Inf.
 SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kernel, const TensorView& q,
                               const TensorView& k, const TensorView& v, const SdpaOptions& options,
                               const detail::SdpaProblem& problem);
-bool all_finite(const TensorView& t);  // float32, bfloat16 or float16
+bool all_finite_16(const TensorView& t);  // bfloat16 or float16 (float32: flash_inputs.hpp's all_finite)
 }  // namespace attn::cpu

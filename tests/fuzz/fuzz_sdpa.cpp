@@ -999,7 +999,7 @@ void run(ByteReader& in) {
     // the driver directly, it sees only what the registry would give it (a finite V).
     const bool emulate = cpu::amx_emulation_runs_here() &&
                          std::find(kernels.begin(), kernels.end(), "cpu.flash.amx_bf16") == kernels.end();
-    if (emulate && !lo.need_weights && !variants_used && cpu::all_finite(v16)) kernels.push_back(kAmxEmulated);
+    if (emulate && !lo.need_weights && !variants_used && cpu::all_finite_16(v16)) kernels.push_back(kAmxEmulated);
 #endif
     auto run16 = [&](const SdpaOptions& ko) {
 #if defined(ATTN_FUZZ_AMX_EMULATED)

@@ -36,7 +36,9 @@
 // Numerics as the AVX512-BF16 kernel (flash_avx512_bf16.cpp): exact bf16 products, float32
 // accumulation (the tiles flush bf16 subnormals to zero), P split into its terms for P.V while
 // the row sums use the float32 P, output rounded to the input dtype once, LSE float32. The
-// registry keeps a V holding NaN/Inf from this kernel (a zero weight times Inf would be NaN).
+// registry keeps a V holding NaN/Inf from this kernel (a zero weight times Inf would be NaN), and
+// for T >= 2 NaN/Inf in q or k (Inf times another value's zero term would be NaN;
+// tiles_take_values).
 //
 // Everything here has internal linkage, and it instantiates no standard-library template: this
 // header is compiled under different -m flags in different files, and a shared inline function
