@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <fmt/format.h>
+#include <omp.h>
 
 #include "attn/error.hpp"
 #include "sdpa/cpu/decode.hpp"
@@ -220,8 +221,9 @@ SdpaGrads decode_backward(const TensorView& dout, const TensorView& q, const Ten
 // attention weights (no second pass of their own yet: refused, so kAuto takes the next kernel)
 // and values they cannot multiply as float32 would (tiles_take_values: a V holding NaN/Inf, and
 // NaN/Inf in q or k where values are split into terms; they hand the call to the AVX-512 float32
-// kernel, widened, themselves). Their backward is the float32 AVX-512 kernel's
-// on widened inputs: fp32 accumulation, gradients rounded to the dtype once.
+// kernel, widened, themselves). Their backward (bf16_backward) is native for bf16 (vdpbf16ps, on
+// AMX machines too) and the float32 AVX-512 kernel's on widened inputs otherwise: fp32
+// accumulation, gradients rounded to the dtype once.
 std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOptions& options) {
   if (std::string r = flash_why_not(k, p, options); !r.empty()) return r;
   const char* widened = p.dtype == DType::kFloat32 ? "" : " (widened)";
@@ -253,10 +255,23 @@ const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p) {
                                                             : cpu::fp32_high_kernel_amx();
 }
 
+// bf16 gradients on vdpbf16ps (flash_bwd_avx512_bf16.cpp) where every input is bf16 and finite;
+// fp16, float32 at reduced precision and NaN/Inf go to the float32 AVX-512 kernel, widened.
+SdpaGrads bf16_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SdpaSaved& forward, const SdpaOptions& options, const SdpaProblem& p) {
+  const int n = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  const bool native = p.dtype == DType::kBFloat16 && p.kv_dtype == DType::kBFloat16 &&
+                      dout.dtype() == DType::kBFloat16 && cpu::all_finite_16(q, n) && cpu::all_finite_16(k, n) &&
+                      cpu::all_finite_16(v, n) && cpu::all_finite_16(dout, n);
+  if (!native) return fused_backward<cpu::flash_kernel_avx512>(dout, q, k, v, forward, options, p);
+  return cpu::flash_backward_bf16(cpu::bf16_backward_avx512(), dout, q, k, v, forward, options, p);
+}
+
 template <const cpu::Bf16ForwardKernel& (*Table)(const SdpaProblem&)>
 SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const SdpaProblem& p) {
-  if (!tiles_take_values(q, k, v, p)) return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
+  const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  if (!tiles_take_values(q, k, v, p, threads)) return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   return cpu::flash_forward_bf16(Table(p), q, k, v, options, p);
 }
 #endif
@@ -279,11 +294,10 @@ const SdpaKernel kKernels[] = {
 #if defined(ATTN_HAVE_X86_KERNELS)
     {"cpu.flash.amx_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma | kAmxTile | kAmxBf16,
-     kSixteenBit, 450, bf16_why_not, bf16_forward<amx_table>,
-     fused_backward<flash_kernel_avx512>, nullptr, false, nullptr, /*reduced_float32=*/true},
+     kSixteenBit, 450, bf16_why_not, bf16_forward<amx_table>, bf16_backward, nullptr, false, nullptr, /*reduced_float32=*/true},
     {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
-     bf16_why_not, bf16_forward<avx512_bf16_table>, fused_backward<flash_kernel_avx512>,
+     bf16_why_not, bf16_forward<avx512_bf16_table>, bf16_backward,
      bf16_auto_declines},
     {"cpu.flash.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 300, flash_why_not, fused_forward<flash_kernel_avx512>,
@@ -317,8 +331,11 @@ std::string known_names() {
 // infinite element is all in its hi term (the others 0), so Inf times another value's zero
 // term is NaN where a float32 product gives +-Inf (a key that a -inf score should drop would
 // turn the row NaN). bf16 and "medium" are one term: only V matters for them.
-bool tiles_take_values(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaProblem& p) {
-  auto finite = [](const TensorView& t) { return t.dtype() == DType::kFloat32 ? cpu::all_finite(t) : cpu::all_finite_16(t); };
+bool tiles_take_values(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaProblem& p,
+                       int threads) {
+  auto finite = [&](const TensorView& t) {
+    return t.dtype() == DType::kFloat32 ? cpu::all_finite(t, threads) : cpu::all_finite_16(t, threads);
+  };
   if (!finite(v)) return false;
   const bool split = p.dtype == DType::kFloat16 ||
                      (p.dtype == DType::kFloat32 && p.f32_precision == Float32MatmulPrecision::kHigh);

@@ -63,7 +63,8 @@ std::string kernel_why_not(const SdpaKernel& kernel, const SdpaProblem& problem,
 // values are split into several bf16 terms (fp16; float32 at "high"), for NaN/Inf in q or k.
 // Such calls run on the float32 AVX-512 kernel instead, with the same result as kAuto's float32
 // path.
-bool tiles_take_values(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaProblem& p);
+bool tiles_take_values(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaProblem& p,
+                       int threads = 1);
 
 // The kernel a call runs: options.kernel if set (ValueError if unknown or if it refuses the
 // problem), else the highest-priority kernel of options.backend's family that accepts (ValueError
@@ -109,5 +110,13 @@ struct Bf16ForwardKernel;
 SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kernel, const TensorView& q,
                               const TensorView& k, const TensorView& v, const SdpaOptions& options,
                               const detail::SdpaProblem& problem);
-bool all_finite_16(const TensorView& t);  // bfloat16 or float16 (float32: flash_inputs.hpp's all_finite)
+// bfloat16 or float16 (float32: flash_inputs.hpp's all_finite), rows on `threads` threads.
+bool all_finite_16(const TensorView& t, int threads = 1);
+struct Bf16BackwardKernel;
+// The low-precision backward (flash_bwd.cpp) on bf16 inputs with finite values: gradients in
+// the input dtype, float32 accumulation.
+SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView& grad_output,
+                              const TensorView& q, const TensorView& k, const TensorView& v,
+                              const SdpaSaved& forward, const SdpaOptions& options,
+                              const detail::SdpaProblem& problem);
 }  // namespace attn::cpu

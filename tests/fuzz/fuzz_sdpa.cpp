@@ -72,6 +72,7 @@
 #include <limits>
 #include <numbers>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attn/attn.hpp"
@@ -336,6 +337,75 @@ double err(double x, double t) {
   if (x == t) return 0.0;
   if (!std::isfinite(x) || !std::isfinite(t)) return std::numeric_limits<double>::infinity();
   return std::fabs(x - t);
+}
+
+// The bf16 backward of a kernel (the native vdpbf16ps one where it runs) with dO = the output
+// (the gradient of |O|^2 / 2): nothing throws, bf16 gradients of the inputs' shapes, 1 and 2
+// threads agree bit for bit, and where the problem is moderate each gradient's error against
+// the float64 truth is at most twice the widened reference's (rounded to bf16) plus a floor of
+// 4 bf16 units of (1 + the gradient's largest magnitude).
+void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& ko,
+                         bool moderate, const std::string& desc) {
+  auto must_not_throw = [&](const char* what, auto&& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      attn::fuzz::fuzz_fail("%s threw on valid arguments: %s\n  problem: %s", what, e.what(), desc.c_str());
+    }
+  };
+  SdpaOptions bo = ko;
+  bo.need_lse = true;
+  SdpaResult f;
+  must_not_throw("16-bit forward for the backward", [&] { f = scaled_dot_product_attention(q, k, v, bo); });
+  const Tensor& dout = f.output;
+  SdpaGrads g1, g2;
+  bo.num_threads = 1;
+  must_not_throw("bf16 backward", [&] { g1 = scaled_dot_product_attention_backward(dout, q, k, v, f, bo); });
+  bo.num_threads = 2;
+  must_not_throw("bf16 backward (2 threads)", [&] { g2 = scaled_dot_product_attention_backward(dout, q, k, v, f, bo); });
+  const std::pair<const Tensor*, const Tensor*> pairs[] = {{&g1.grad_query, &q}, {&g1.grad_key, &k}, {&g1.grad_value, &v}};
+  for (const auto& [g, in] : pairs) {
+    ATTN_FUZZ_CHECKF(g->dtype() == DType::kBFloat16 && g->shape() == in->shape(), "bf16 backward '%s': gradient dtype/shape; %s",
+                     ko.kernel.c_str(), desc.c_str());
+  }
+  ATTN_FUZZ_CHECKF(same_bits(g1.grad_query, g2.grad_query) && same_bits(g1.grad_key, g2.grad_key) &&
+                       same_bits(g1.grad_value, g2.grad_value),
+                   "bf16 backward '%s' differs between 1 and 2 threads; %s", ko.kernel.c_str(), desc.c_str());
+  if (!moderate) return;
+  for (const Tensor* t : {&g1.grad_query, &g1.grad_key, &g1.grad_value}) {
+    for (float x : t->to_vector()) if (!std::isfinite(x)) return;  // overflow of a moderate problem's gradient
+  }
+  SdpaOptions ro = ko;
+  ro.kernel = "reference";
+  ro.need_lse = true;
+  const Tensor d32 = dout.to(DType::kFloat32), q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32),
+               v32 = v.to(DType::kFloat32);
+  reference::SdpaGradsF64 truth;
+  SdpaGrads rg;
+  must_not_throw("f64 backward truth", [&] { truth = reference::scaled_dot_product_attention_backward_f64(d32, q32, k32, v32, ro); });
+  must_not_throw("reference backward", [&] {
+    const SdpaResult rf = scaled_dot_product_attention(q32, k32, v32, ro);
+    rg = scaled_dot_product_attention_backward(d32, q32, k32, v32, rf, ro);
+  });
+  const std::tuple<const Tensor*, const Tensor*, const std::vector<double>*, const char*> sets[] = {
+      {&g1.grad_query, &rg.grad_query, &truth.grad_query, "dq"},
+      {&g1.grad_key, &rg.grad_key, &truth.grad_key, "dk"},
+      {&g1.grad_value, &rg.grad_value, &truth.grad_value, "dv"}};
+  for (const auto& [got, ref, t, what] : sets) {
+    const std::vector<float> a = got->to_vector(), r = ref->to(DType::kBFloat16).to_vector();
+    double e = 0, er = 0, gmax = 0;
+    for (size_t i = 0; i < t->size(); ++i) {
+      if (!std::isfinite((*t)[i])) return;
+      e = std::max(e, err(a[i], (*t)[i]));
+      er = std::max(er, err(r[i], (*t)[i]));
+      gmax = std::max(gmax, std::fabs((*t)[i]));
+    }
+    const double floor = 4 * 0x1p-8 * (1 + gmax);
+    if (!(e <= 2 * er + floor)) {
+      attn::fuzz::fuzz_fail("bf16 backward '%s' %s: error %.3g > 2 * reference error %.3g + %.3g\n  problem: %s",
+                            ko.kernel.c_str(), what, e, er, floor, desc.c_str());
+    }
+  }
 }
 
 std::string describe(const Problem& p) {
@@ -1057,6 +1127,7 @@ void run(ByteReader& in) {
                                 std::string(dtype_name(dtype)).c_str(), name.c_str(), e, ref_err, floor, desc.c_str());
         }
       }
+      if (dtype == DType::kBFloat16 && name != kAmxEmulated && !ko.need_weights) check_bf16_backward(q16, k16, v16, ko, moderate, desc);
     }
   }
 

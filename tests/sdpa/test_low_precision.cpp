@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attn/attn.hpp"
@@ -60,6 +61,10 @@ std::vector<Case> low_sweep() {
     }
   }
   for (MaskKind m : masks) cases.push_back({1, 4, 2, 130, 67, 64, 64, m, 0.0f});
+  // One key/value head of 600 or 777 keys: the backward splits them into key ranges of whole
+  // 256-key groups (flash_bwd_split.hpp) and sums their dQ, the last group partial and odd.
+  cases.push_back({1, 2, 1, 520, 600, 8, 8, MaskKind::kCausalBottomRight, 0.0f});
+  cases.push_back({1, 1, 1, 300, 777, 16, 24, MaskKind::kNone, 0.1f});
   return cases;
 }
 
@@ -150,12 +155,89 @@ TEST_P(LowPrecision, SameBitsForOneAndTwoThreads) {
       o.num_threads = 2;
       const SdpaResult two = scaled_dot_product_attention(r.q, r.k, r.v, o);
       EXPECT_EQ(one.output.to_vector(), two.output.to_vector()) << describe(c) << " " << kernel;
+      if (kernel.starts_with("cpu.decode.")) continue;  // its backward is the flash kernel's
+      manual_seed(5);
+      const Tensor dout = randn({c.B, c.Hq, c.L, c.Ev}).to(dtype);
+      o.need_lse = true;
+      const SdpaResult f = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      o.num_threads = 1;
+      const SdpaGrads g1 = scaled_dot_product_attention_backward(dout, r.q, r.k, r.v, f, o);
+      o.num_threads = 2;
+      const SdpaGrads g2 = scaled_dot_product_attention_backward(dout, r.q, r.k, r.v, f, o);
+      EXPECT_EQ(g1.grad_query.to_vector(), g2.grad_query.to_vector()) << describe(c) << " " << kernel << " dq";
+      EXPECT_EQ(g1.grad_key.to_vector(), g2.grad_key.to_vector()) << describe(c) << " " << kernel << " dk";
+      EXPECT_EQ(g1.grad_value.to_vector(), g2.grad_value.to_vector()) << describe(c) << " " << kernel << " dv";
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, LowPrecision, testing::ValuesIn(low_sweep()),
                          [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+
+// Context parallelism in bf16: backward calls on (query slice, key slice) pairs, each given the
+// whole call's output and LSE, sum to the whole call's gradients. The native bf16 backward forms
+// D from its own P and dP where the call holds the row's every key, and from the saved output where
+// it holds a slice (the probability mass its keys carry is below 1).
+TEST(LowPrecisionSlices, BackwardOverKeySlicesSumsToTheWholeCall) {
+  const int64_t H = 2, N = 70, E = 16;
+  manual_seed(17);
+  const Tensor q = randn({1, H, N, E}).to(DType::kBFloat16), k = randn({1, H, N, E}).to(DType::kBFloat16),
+               v = randn({1, H, N, E}).to(DType::kBFloat16), dout = randn({1, H, N, E}).to(DType::kBFloat16);
+  const std::pair<int64_t, int64_t> q_slices[] = {{0, 33}, {33, N}}, k_slices[] = {{0, 40}, {40, N}};
+  for (const std::string& kernel : kernels_for(DType::kBFloat16)) {
+    if (kernel.starts_with("cpu.decode.")) continue;
+    for (bool causal : {false, true}) {
+      SdpaOptions whole;
+      whole.kernel = kernel;
+      whole.is_causal = causal;
+      whole.need_lse = true;
+      const SdpaResult fwd = scaled_dot_product_attention(q, k, v, whole);
+      const SdpaGrads want = scaled_dot_product_attention_backward(dout, q, k, v, fwd, whole);
+      std::vector<float> dq(static_cast<size_t>(H * N * E)), dk(dq.size()), dv(dq.size());
+      std::vector<float> aq(dq.size()), ak(dq.size()), av(dq.size());  // sums of |part|
+      for (const auto& [q0, q1] : q_slices) {
+        for (const auto& [k0, k1] : k_slices) {
+          SdpaOptions o = whole;
+          o.query_pos_offset = q0;
+          o.key_pos_offset = k0;
+          const SdpaSaved saved(fwd.output.slice(2, q0, q1), fwd.lse.slice(2, q0, q1));
+          const SdpaGrads g = scaled_dot_product_attention_backward(
+              dout.slice(2, q0, q1), q.slice(2, q0, q1), k.slice(2, k0, k1), v.slice(2, k0, k1), saved, o);
+          const std::vector<float> gq = g.grad_query.to_vector(), gk = g.grad_key.to_vector(), gv = g.grad_value.to_vector();
+          for (int64_t h = 0; h < H; ++h) {
+            for (int64_t e = 0; e < E; ++e) {
+              for (int64_t i = q0; i < q1; ++i) {
+                const float x = gq[static_cast<size_t>((h * (q1 - q0) + i - q0) * E + e)];
+                dq[static_cast<size_t>((h * N + i) * E + e)] += x;
+                aq[static_cast<size_t>((h * N + i) * E + e)] += std::fabs(x);
+              }
+              for (int64_t j = k0; j < k1; ++j) {
+                const float x = gk[static_cast<size_t>((h * (k1 - k0) + j - k0) * E + e)];
+                const float y = gv[static_cast<size_t>((h * (k1 - k0) + j - k0) * E + e)];
+                dk[static_cast<size_t>((h * N + j) * E + e)] += x;
+                ak[static_cast<size_t>((h * N + j) * E + e)] += std::fabs(x);
+                dv[static_cast<size_t>((h * N + j) * E + e)] += y;
+                av[static_cast<size_t>((h * N + j) * E + e)] += std::fabs(y);
+              }
+            }
+          }
+        }
+      }
+      // Each part is rounded to bf16 before the sum, and a slice's D comes from the bf16 output
+      // (as on every kernel): a few units of bf16's last place (2^-8) of the parts, plus a floor.
+      // A slice that took its own keys' D instead of the row's is off by the gradient's size.
+      const std::tuple<const std::vector<float>*, const std::vector<float>*, Tensor> sets[] = {
+          {&dq, &aq, want.grad_query}, {&dk, &ak, want.grad_key}, {&dv, &av, want.grad_value}};
+      for (const auto& [got, mag, ref] : sets) {
+        const std::vector<float> b = ref.to_vector();
+        for (size_t i = 0; i < b.size(); ++i) {
+          ASSERT_NEAR((*got)[i], b[i], 0x1p-6 * ((*mag)[i] + std::fabs(b[i])) + 1e-3)
+              << kernel << " causal " << causal << " at " << i;
+        }
+      }
+    }
+  }
+}
 
 // ---- dtype rules -------------------------------------------------------------------------------
 

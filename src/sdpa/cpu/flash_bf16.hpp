@@ -49,4 +49,22 @@ const Bf16ForwardKernel& fp16_kernel_amx();
 const Bf16ForwardKernel& fp32_high_kernel_amx();
 const Bf16ForwardKernel& fp32_medium_kernel_amx();
 
+// The low-precision backward (flash_bwd_avx512_bf16.cpp; driver flash_backward_bf16 in
+// flash_bwd.cpp): FlashBwdHead's q, k, v, dout in the kernel's dtype, gradients accumulated in
+// float32. D = rowsum(dO * O) comes from row_dots (sum_j P_ij dP_ij over the keys the call sees),
+// run over every query block before any backward item.
+struct Bf16BackwardKernel {
+  int64_t block_q;  // rows per row_dots call (nq <= block_q)
+  int64_t (*row_dots_workspace_bytes)(int64_t E, int64_t Ev);
+  // D and the probability mass sum_j P_ij (1 where the call holds the row's every key) of rows
+  // [i0, i0 + nq) of the head; h.dd, dq, dk, dv, j_begin, j_end are not read.
+  void (*row_dots)(const FlashBwdParams& p, const FlashBwdHead& h, int64_t i0, int64_t nq, float* d,
+                   float* mass, void* workspace);
+  int64_t (*backward_workspace_bytes)(int64_t L, int64_t E, int64_t Ev);  // per thread
+  void (*backward)(const FlashBwdParams& p, const FlashBwdHead& h, void* workspace);
+};
+
+// AVX512-BF16 (vdpbf16ps), bf16 only: the flags of bf16_kernel_avx512.
+const Bf16BackwardKernel& bf16_backward_avx512();
+
 }  // namespace attn::cpu

@@ -27,6 +27,7 @@
 #include <omp.h>
 
 #include "sdpa/registry.hpp"
+#include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/flash_bwd_split.hpp"
 #include "sdpa/cpu/flash_inputs.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
@@ -58,35 +59,39 @@ static Tensor sinks_grad(const detail::SdpaProblem& p, const TensorView& dout, c
   return g;
 }
 
-SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
-                         const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
-                         const SdpaSaved& forward, const SdpaOptions& options,
-                         const detail::SdpaProblem& p) {
-  Tensor qs, ks, vs, ds, os, ls;
-  const int cores = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-  const TensorView q = rows_adjacent(q_in, qs, cores), k = rows_adjacent(k_in, ks, cores),
-                   v = rows_adjacent(v_in, vs, cores), dout = rows_adjacent(dout_in, ds, cores),
-                   out = rows_contiguous(forward.output, os);
-  const TensorView lse = forward.lse.is_contiguous() ? TensorView(forward.lse) : (ls = forward.lse.contiguous());
+// The inputs as the kernels read them: q, k, v and dO with each head's rows adjacent, the saved
+// output's rows contiguous, the LSE contiguous (copies only where the caller's layout differs).
+struct BackwardInputs {
+  Tensor qs, ks, vs, ds, os, ls;  // storage of the copies
+  int cores;
+  TensorView q, k, v, dout, out, lse;
+  BackwardInputs(const TensorView& dout_in, const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
+                 const SdpaSaved& forward, const SdpaOptions& options)
+      : cores(options.num_threads > 0 ? options.num_threads : omp_get_max_threads()),
+        q(rows_adjacent(q_in, qs, cores)),
+        k(rows_adjacent(k_in, ks, cores)),
+        v(rows_adjacent(v_in, vs, cores)),
+        dout(rows_adjacent(dout_in, ds, cores)),
+        out(rows_contiguous(forward.output, os)),
+        lse(forward.lse.is_contiguous() ? TensorView(forward.lse) : (ls = forward.lse.contiguous())) {}
+};
 
-  SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
-
-  FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
-  fp.guard_v = !all_finite(q, cores) || !all_finite(k, cores) || !all_finite(v, cores) ||
-               !all_finite(dout, cores);
-
+// Runs the (key/value head, key range) items on up to `cores` threads, each calling run(h, ws) for
+// the query heads of its group in order with h = fill(b) plus the range and its dQ destination,
+// then sums the ranges' partial dQ into dq_all (B*H_q heads of (L, E), contiguous) in order.
+template <class Fill, class Run>
+void run_backward_items(const detail::SdpaProblem& p, const FlashBwdParams& fp, int cores, int64_t ws_bytes,
+                        float* const dq_all, Fill fill, Run run) {
   const int64_t kv_heads = p.batch / p.group;
   const FlashBwdKeySplit split = flash_bwd_key_split(p.S, kv_heads);
   const int64_t ranges = split.ranges, items = kv_heads * ranges;
   const int threads = std::max<int>(1, std::min<int64_t>(cores, items));
-  const int64_t ws_floats = kernel.backward_workspace_floats(p.L, p.E, p.Ev);
 
   // Partial dQ of ranges 1.., each B*H_q heads of (L, E): every element is written by its item
   // (all L rows), so the buffer needs no zeroing.
   const int64_t head_dq = p.L * p.E;
   std::unique_ptr<float[]> partial;
   if (ranges > 1) partial = std::make_unique_for_overwrite<float[]>(static_cast<size_t>((ranges - 1) * p.batch * head_dq));
-  float* const dq_all = g.grad_query.data();  // contiguous: head b at b * L * E
   // A causal range starting at key j is seen by queries i >= j - causal_offset only.
   auto first_row = [&](int64_t r) -> int64_t {
     return fp.causal ? std::clamp<int64_t>(split.begin(r, p.S) - fp.causal_offset, 0, p.L) : 0;
@@ -95,7 +100,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
 #pragma omp parallel num_threads(threads)
   {
     const FlushDenormals ftz;  // flush_denormals.hpp
-    std::vector<float> ws(static_cast<size_t>(ws_floats));
+    std::vector<float> ws(static_cast<size_t>((ws_bytes + 3) / 4));
     // Range-major: under causal masking the first ranges are the longest-running, so they start
     // first.
 #pragma omp for schedule(dynamic, 1)
@@ -105,24 +110,11 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
       const int64_t heads_kv = p.heads_q / p.group;
       const int64_t b_first = (kvh / heads_kv) * p.heads_q + (kvh % heads_kv) * p.group;
       for (int64_t b = b_first; b < b_first + p.group; ++b) {
-        FlashBwdHead h{};
-        h.q = q.data() + detail::lead_offset(q, p.lead, b);
-        h.k = k.data() + detail::kv_lead_offset(k, p, b);
-        h.v = v.data() + detail::kv_lead_offset(v, p, b);
-        h.o = out.data() + detail::lead_offset(out, p.lead, b);
-        h.dout = dout.data() + detail::lead_offset(dout, p.lead, b);
-        h.o_row = out.stride(-2);
-        h.do_row = dout.stride(-2);
-        h.lse = lse.data() + detail::lead_offset(lse, p.lead, b);
-        if (p.mask.defined()) h.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b);
+        FlashBwdHead h = fill(b);
         h.dq = r == 0 ? dq_all + b * head_dq : partial.get() + ((r - 1) * p.batch + b) * head_dq;
-        h.dk = g.grad_key.data() + detail::kv_lead_offset(g.grad_key, p, b);
-        h.dv = g.grad_value.data() + detail::kv_lead_offset(g.grad_value, p, b);
-        h.bh = b + p.bh_base;
-        h.alibi2 = p.alibi_slope(b) * std::numbers::log2e_v<float>;
         h.j_begin = split.begin(r, p.S);
         h.j_end = split.begin(r + 1, p.S);
-        kernel.backward(fp, h, ws.data());
+        run(h, ws.data());
       }
     }
     if (ranges > 1) {
@@ -140,8 +132,108 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
       }
     }
   }
+}
+
+SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
+                         const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
+                         const SdpaSaved& forward, const SdpaOptions& options,
+                         const detail::SdpaProblem& p) {
+  const BackwardInputs in(dout_in, q_in, k_in, v_in, forward, options);
+  const int cores = in.cores;
+  const TensorView &q = in.q, &k = in.k, &v = in.v, &dout = in.dout, &out = in.out, &lse = in.lse;
+
+  SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
+
+  FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
+  fp.guard_v = !all_finite(q, cores) || !all_finite(k, cores) || !all_finite(v, cores) ||
+               !all_finite(dout, cores);
+  auto fill = [&](int64_t b) {
+    FlashBwdHead h{};
+    h.q = q.data() + detail::lead_offset(q, p.lead, b);
+    h.k = k.data() + detail::kv_lead_offset(k, p, b);
+    h.v = v.data() + detail::kv_lead_offset(v, p, b);
+    h.o = out.data() + detail::lead_offset(out, p.lead, b);
+    h.dout = dout.data() + detail::lead_offset(dout, p.lead, b);
+    h.o_row = out.stride(-2);
+    h.do_row = dout.stride(-2);
+    h.lse = lse.data() + detail::lead_offset(lse, p.lead, b);
+    if (p.mask.defined()) h.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b);
+    h.dk = g.grad_key.data() + detail::kv_lead_offset(g.grad_key, p, b);
+    h.dv = g.grad_value.data() + detail::kv_lead_offset(g.grad_value, p, b);
+    h.bh = b + p.bh_base;
+    h.alibi2 = p.alibi_slope(b) * std::numbers::log2e_v<float>;
+    return h;
+  };
+  run_backward_items(p, fp, cores, 4 * kernel.backward_workspace_floats(p.L, p.E, p.Ev), g.grad_query.data(), fill,
+                     [&](const FlashBwdHead& h, float* ws) { kernel.backward(fp, h, ws); });
   if (p.sinks.defined()) g.grad_sinks = sinks_grad(p, dout, out, lse);
   return g;
+}
+
+// The bf16 backward: D of every row first (row_dots, parallel over query blocks), then the items
+// as above on float32 gradient buffers, rounded to bf16 once. A row whose probability mass over
+// the call's keys is not 1 (a call on a slice of the keys: context parallelism, whose saved LSE is
+// the whole row's) takes D from the saved output instead, as the float32 kernels always do.
+SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView& dout_in,
+                              const TensorView& q_in, const TensorView& k_in, const TensorView& v_in,
+                              const SdpaSaved& forward, const SdpaOptions& options,
+                              const detail::SdpaProblem& p) {
+  const BackwardInputs in(dout_in, q_in, k_in, v_in, forward, options);
+  const int cores = in.cores;
+  const TensorView &q = in.q, &k = in.k, &v = in.v, &dout = in.dout, &out = in.out, &lse = in.lse;
+  Tensor dq = Tensor::empty(q.shape()), dk = Tensor::zeros(k.shape()), dv = Tensor::zeros(v.shape());
+  const FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
+  auto bits = [](const TensorView& t, int64_t off) { return static_cast<const uint16_t*>(t.raw_data()) + off; };
+  std::vector<float> dd(static_cast<size_t>(p.batch * p.L));
+  auto fill = [&](int64_t b) {
+    FlashBwdHead h{};
+    h.q = bits(q, detail::lead_offset(q, p.lead, b));
+    h.k = bits(k, detail::kv_lead_offset(k, p, b));
+    h.v = bits(v, detail::kv_lead_offset(v, p, b));
+    h.dout = bits(dout, detail::lead_offset(dout, p.lead, b));
+    h.do_row = dout.stride(-2);
+    h.lse = lse.data() + detail::lead_offset(lse, p.lead, b);
+    h.dd = dd.data() + b * p.L;
+    if (p.mask.defined()) h.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b);
+    h.dk = dk.data() + detail::kv_lead_offset(dk, p, b);
+    h.dv = dv.data() + detail::kv_lead_offset(dv, p, b);
+    h.bh = b + p.bh_base;
+    return h;
+  };
+
+  const int64_t bq = kernel.block_q, nqb = (p.L + bq - 1) / bq;
+  const int dthreads = std::max<int>(1, std::min<int64_t>(cores, p.batch * nqb));
+#pragma omp parallel num_threads(dthreads)
+  {
+    std::vector<float> ws(static_cast<size_t>((kernel.row_dots_workspace_bytes(p.E, p.Ev) + 3) / 4));
+    std::vector<float> mass(static_cast<size_t>(bq));
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t it = 0; it < p.batch * nqb; ++it) {
+      const int64_t b = it / nqb, i0 = it % nqb * bq, nq = std::min(bq, p.L - i0);
+      const FlashBwdHead h = fill(b);
+      float* d = dd.data() + b * p.L + i0;
+      kernel.row_dots(fp, h, i0, nq, d, mass.data(), ws.data());
+      for (int64_t r = 0; r < nq; ++r) {
+        const float l = h.lse[i0 + r];
+        const float tol = 64.0f * std::numeric_limits<float>::epsilon() * std::max(1.0f, std::fabs(l));
+        const float m = mass[static_cast<size_t>(r)];
+        if (std::isinf(l) || std::fabs(m - 1.0f) <= tol) {
+          // Normalised by the mass the kernel's own P carries: sum_j dS_ij = 0, and a row of one
+          // key gets D = dP (P = 1 - a few ulps otherwise leaves dQ a few ulps off its exact 0).
+          if (m > 0.0f) d[r] /= m;
+          continue;
+        }
+        const uint16_t* o = bits(out, detail::lead_offset(out, p.lead, b) + (i0 + r) * out.stride(-2));
+        const uint16_t* g = static_cast<const uint16_t*>(h.dout) + (i0 + r) * h.do_row;
+        float s = 0.0f;
+        for (int64_t e = 0; e < p.Ev; ++e) s += bf16_to_float({g[e]}) * bf16_to_float({o[e]});
+        d[r] = s;
+      }
+    }
+  }
+  run_backward_items(p, fp, cores, kernel.backward_workspace_bytes(p.L, p.E, p.Ev), dq.data(), fill,
+                     [&](const FlashBwdHead& h, float* ws) { kernel.backward(fp, h, ws); });
+  return {dq.to(p.dtype), dk.to(p.dtype), dv.to(p.dtype), Tensor()};
 }
 
 }  // namespace attn::cpu

@@ -136,6 +136,11 @@ inline void dropout_grad_block(const FlashParams& p, const FlashBlock& b, int64_
 template <bool kGuard>
 inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, float* ws) {
   const int64_t L = p.L, E = p.E, Ev = p.Ev;
+  const auto* hq = static_cast<const float*>(h.q);
+  const auto* hk = static_cast<const float*>(h.k);
+  const auto* hv = static_cast<const float*>(h.v);
+  const auto* ho = static_cast<const float*>(h.o);
+  const auto* hdout = static_cast<const float*>(h.dout);
   const int64_t lp = (L + kBQ - 1) / kBQ * kBQ, ep = round_up(E), evp = round_up(Ev);
   float* qt = ws;                    // lp * E
   float* dot = qt + lp * E;          // lp * Ev
@@ -143,16 +148,16 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
   float* lse2 = dq + lp * ep;        // lp
   float* dd = lse2 + lp;             // lp
   float* tail = dd + lp;
-  const float* qrows = h.q;
+  const float* qrows = hq;
   int64_t q_ld = p.q_row;
   if (E % W != 0) {
-    pack_rows(h.q, p.q_row, L, E, ep, tail);
+    pack_rows(hq, p.q_row, L, E, ep, tail);
     qrows = tail, q_ld = ep, tail += lp * ep;
   }
-  const float* dorows = h.dout;
+  const float* dorows = hdout;
   int64_t do_ld = h.do_row;
   if (Ev % W != 0) {
-    pack_rows(h.dout, h.do_row, L, Ev, evp, tail);
+    pack_rows(hdout, h.do_row, L, Ev, evp, tail);
     dorows = tail, do_ld = evp, tail += lp * evp;
   }
   float* st = tail;                  // kBK * kBQ: S^T, then P^T, then dS^T
@@ -163,8 +168,8 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
   float* dvb = dkb + kKeyGroup * kBK * ep;   // kKeyGroup * kBK * evp
   float* kpack = dvb + kKeyGroup * kBK * evp;  // kKeyGroup * kBK * ep
 
-  pack_transposed(h.q, p.q_row, L, E, qt);
-  pack_transposed(h.dout, h.do_row, L, Ev, dot);
+  pack_transposed(hq, p.q_row, L, E, qt);
+  pack_transposed(hdout, h.do_row, L, Ev, dot);
   zero(dq, lp * ep);
   for (int64_t i = 0; i < lp; ++i) {
     if (i >= L) {
@@ -176,7 +181,7 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
     lse2[i] = l == kNegInf ? std::numeric_limits<float>::infinity()
                            : static_cast<float>(static_cast<double>(l) * std::numbers::log2e);
     float d = 0.0f;
-    for (int64_t e = 0; e < Ev; ++e) d += h.dout[i * h.do_row + e] * h.o[i * h.o_row + e];
+    for (int64_t e = 0; e < Ev; ++e) d += hdout[i * h.do_row + e] * ho[i * h.o_row + e];
     dd[i] = d;
   }
 
@@ -197,7 +202,7 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
     if (i_end <= i_first) continue;  // the band misses this group
     zero(dkb, kGK * ep);
     zero(dvb, kGK * evp);
-    const float* krows = h.k + g0 * p.k_row;
+    const float* krows = hk + g0 * p.k_row;
     int64_t k_ld = p.k_row;
     if (E % W != 0) {
       pack_rows(krows, p.k_row, ng, E, ep, kpack);
@@ -219,7 +224,7 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
         const int64_t nk = imin(kBK, g0 + ng - j0), kk = j0 - g0;
         if (p.band_lo && j0 + nk - 1 < i0 + p.lo_offset) continue;  // below the block's band
 
-        scores_block(qtb, h.k, p.k_row, E, j0, nk, p.scale_log2, st, kBwdEChunk);
+        scores_block(qtb, hk, p.k_row, E, j0, nk, p.scale_log2, st, kBwdEChunk);
         modify_block(p, b, j0, nk, st, p.softcap2 > 0.0f ? capg : nullptr);
         mask_block(p, b, j0, nk, st);
         for (int64_t jj = 0; jj < nk; ++jj) {
@@ -227,7 +232,7 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
           store(st + jj * kBQ, exp2v(x0 > 0.0f ? splat(0.0f) : x0));
           store(st + jj * kBQ + W, exp2v(x1 > 0.0f ? splat(0.0f) : x1));
         }
-        scores_block(dotb, h.v, p.v_row, Ev, j0, nk, 1.0f, dpt, kBwdEChunk);
+        scores_block(dotb, hv, p.v_row, Ev, j0, nk, 1.0f, dpt, kBwdEChunk);
         const float* pd = st;
         if (p.dropout_p > 0.0f) {
           std::memcpy(pdt, st, static_cast<size_t>(nk * kBQ) * sizeof(float));

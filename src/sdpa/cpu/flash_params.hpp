@@ -68,17 +68,19 @@ struct FlashBlock {
 // (+=) on rows [j_begin, j_end), so the query heads of a GQA group, visited in order by the one
 // thread that owns the range, sum into them deterministically.
 struct FlashBwdHead {
-  const float* q;     // (L, E), row stride p.q_row
-  const float* k;     // (S, E), row stride p.k_row
-  const float* v;     // (S, Ev), row stride p.v_row
-  const float* o;     // (L, Ev), row stride o_row: the forward's output
-  const float* dout;  // (L, Ev), row stride do_row
+  // Rows in the kernel's input dtype (float32, or bf16 for the AVX512-BF16 backward).
+  const void* q;      // (L, E), row stride p.q_row
+  const void* k;      // (S, E), row stride p.k_row
+  const void* v;      // (S, Ev), row stride p.v_row
+  const void* o;      // (L, Ev), row stride o_row: the forward's output (float32 kernels)
+  const void* dout;   // (L, Ev), row stride do_row
   int64_t o_row, do_row;
   const float* lse;   // (L): the forward's LSE in natural log
+  const float* dd;    // (L): D = rowsum(dO * O), computed beforehand (bf16 kernel), or nullptr
   const float* mask;  // the (0, 0) element of this head's mask, or nullptr
-  float* dq;          // (L, E), row stride E
-  float* dk;          // (S, E), row stride E
-  float* dv;          // (S, Ev), row stride Ev
+  float* dq;          // (L, E), row stride E, float32
+  float* dk;          // (S, E), row stride E, float32
+  float* dv;          // (S, Ev), row stride Ev, float32
   int64_t bh;         // flat batch*head index of the query head (dropout counter)
   float alibi2;       // the query head's ALiBi slope times log2(e) (0: none)
   int64_t j_begin, j_end;  // the key range; j_begin a multiple of the kernel's key group

@@ -1,0 +1,315 @@
+// Fused attention backward for bfloat16 q, k, v and dO on AVX512-BF16 (vdpbf16ps): FlashAttention-2's
+// backward (flash_bwd_kernel.hpp is the float32 one, same loop order and key ranges) with all five
+// products on bf16 pairs and float32 accumulation; the softmax, dS and every accumulator stay
+// float32, and the driver (flash_bwd.cpp) rounds dQ, dK, dV to bf16 once at the end.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma, run only on a CPU
+// with all of them.
+//
+// D = rowsum(dO * O) must be the float32 one (D from the bf16-rounded output breaks the error bound
+// of docs/NUMERICS.md: measured, 2-4x the rounded float32 reference's dQ error): row_dots computes
+// it before the key loop as D_i = sum_j P_ij dP_ij over the row's keys, the same two products
+// (Q K^T, dO V^T) the loop does, so the whole backward is 7 products instead of the float32
+// kernel's 5 plus a float32 forward recompute.
+//
+// Shapes, for one query head of L queries (blocks of BQ = 32) against one key range, walked in
+// groups of 4 key blocks of BK = 64:
+//   qt2  (L/32, E2, 32) u32  Q^T per query block, pairs along E     (S^T = K Q^T, scores_tile)
+//   dot2 (L/32, Ev2, 32)     dO^T likewise                         (dP^T = V dO^T)
+//   qp   (L/2, Ep) u32       Q as pairs of query rows              (dK += dS^T Q)
+//   dop  (L/2, Evp)          dO likewise                           (dV += P^T dO)
+//   kp   (256/2, Ep)         the group's K as pairs of key rows    (dQ += dS K)
+//   st, dpt (64, 32) f32     S^T -> P^T -> dS^T, and dP^T of one key block, one lane per query
+//   ppq, dsq (64, 16) u32    P^T and dS^T rows as query pairs (the A of dV and dK)
+//   dsk  (32, 32) u32        dS^T as key pairs per query lane (the A of dQ)
+//   dkb, dvb (256, Ep/Evp)   float32 dK, dV of the key group, written once per group
+//   dq   (L, Ep) f32         dQ of the range, written whole at the end
+// Ep, Evp: E, Ev rounded up to 16; E2, Ev2: halves rounded up. Padded queries have P = 0 and zero
+// rows in qp/dop, padded columns are zero: they add nothing.
+// Memory traffic per key group: Q, dO (packed twice each, bf16) and the float32 dQ rows stream
+// once, as in the float32 kernel, at half its bytes for the inputs.
+//
+// Numerics: S and dP are products of bf16 inputs, exact in float32. P (for dV) and dS (for dK, dQ)
+// enter their products as two bf16 terms (hi + lo, 16 significant bits; two vdpbf16ps on the same
+// loads of the other operand). Rounded to one term, as FlashAttention's bf16 backward does, they
+// put dQ and dV at 2.1-2.3x the error of the float32 reference rounded to bf16 on the accuracy
+// sweep (tests/sdpa/test_low_precision.cpp), over the 2x the rule allows, and dK at 1.74x; with
+// two terms all three are at 1.0x (the output rounding dominates), for 3 more products of 10.
+// The registry sends NaN/Inf inputs to the float32 kernel (widened), so no guard is needed here.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numbers>
+
+#include "sdpa/cpu/bf16_dot_avx512.hpp"
+#include "sdpa/cpu/exp2_avx512.hpp"
+#include "sdpa/cpu/flash_bf16.hpp"
+#include "sdpa/cpu/flash_bwd_split.hpp"
+
+namespace attn::cpu::avx512_bf16 {
+namespace {
+
+constexpr int64_t kKeyGroup = 4;
+constexpr int64_t kGK = kKeyGroup * kBK;
+static_assert(kGK == kFlashBwdKeyGroup);
+
+inline int64_t r16(int64_t x) { return (x + 15) / 16 * 16; }
+inline int64_t padded_rows(int64_t L) { return (L + kBQ - 1) / kBQ * kBQ; }
+
+// Rows [0, n) of x^T as pairs along the row's elements, per block of 32 rows: block i0 / 32 at
+// dst + i0 * C2 holds (C2, 32), zero beyond n.
+void pack_transposed(const uint16_t* x, int64_t ld, int64_t n, int64_t cols, uint32_t* dst) {
+  const int64_t c2n = (cols + 1) / 2;
+  for (int64_t i0 = 0; i0 < n; i0 += kBQ) {
+    uint32_t* blk = dst + i0 * c2n;
+    const int64_t nq = imin(kBQ, n - i0);
+    for (int64_t c2 = 0; c2 < c2n; ++c2) {
+      for (int64_t q = 0; q < kBQ; ++q) blk[c2 * kBQ + q] = q < nq ? pair_at(x + (i0 + q) * ld, c2, cols) : 0u;
+    }
+  }
+}
+
+// Rows [0, n) as pairs of rows, (lp/2, r16(cols)), the pair rows past n zero.
+void pack_row_pairs(const uint16_t* x, int64_t ld, int64_t n, int64_t cols, int64_t lp, uint32_t* dst) {
+  pack_pairs(x, ld, n, cols, dst);
+  const int64_t w = r16(cols), done = (n + 1) / 2;
+  std::memset(dst + done * w, 0, static_cast<size_t>((lp / 2 - done) * w) * sizeof(uint32_t));
+}
+
+// st (nk, 32) = X_blk Y^T for the nk rows of x (row stride ld) against the block's packed y^T.
+void scores(const uint32_t* yt2, const uint16_t* x, int64_t ld, int64_t cols, int64_t nk, float* st) {
+  int64_t jj = 0;
+  for (; jj + kJT <= nk; jj += kJT) scores_tile<kJT>(yt2, x + jj * ld, ld, cols, st + jj * kBQ);
+  for (; jj < nk; ++jj) scores_tile<1>(yt2, x + jj * ld, ld, cols, st + jj * kBQ);
+}
+
+// P^T = exp2(S^T * scale - lse2) over the key block, after the masks: lanes a mask hides or past
+// the block's queries (lse2 = +inf) are 0. min(., 0) keeps P <= 1 where rounding puts a score
+// above its row's LSE.
+void probabilities(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64_t nk, const float* lse2, float* st) {
+  const __m512 scale = _mm512_set1_ps(p.scale_log2);
+  for (int64_t i = 0; i < nk * kBQ; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), scale));
+  mask_block(p, qb, j0, nk, st);
+  const __m512 l0 = _mm512_loadu_ps(lse2), l1 = _mm512_loadu_ps(lse2 + 16);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(st + jj * kBQ + h * 16), h == 0 ? l0 : l1);
+      _mm512_storeu_ps(st + jj * kBQ + h * 16, exp2_avx512(_mm512_min_ps(x, _mm512_setzero_ps())));
+    }
+  }
+}
+
+// dL/dP^T: a dropped weight's is 0, a kept one's is dP / (1 - p).
+void dropout_grad(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64_t nk, float* dpt) {
+  const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    for (int64_t q = 0; q < qb.nq; ++q) {
+      float& x = dpt[jj * kBQ + q];
+      x = dropout_keep(p, qb.bh, qb.i0 + q, j0 + jj) ? x * inv_keep : 0.0f;
+    }
+  }
+}
+
+inline __m512 widen_bf16(__m256bh h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+// x as two bf16 terms, hi = bf16(x) and lo = bf16(x - hi): 16 significant bits in all.
+inline void split_terms(__m512 x, __m256bh& hi, __m256bh& lo) {
+  hi = _mm512_cvtneps_pbh(x);
+  lo = _mm512_cvtneps_pbh(_mm512_sub_ps(x, widen_bf16(hi)));
+}
+
+inline __m512i interleave(__m256bh even, __m256bh odd) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)even), _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)odd), 16));
+}
+
+// Rows [0, nk) of st (32 lanes each) as 16 query pairs per row, in two terms (hi, lo).
+void query_pairs(const float* st, int64_t nk, uint32_t* hi, uint32_t* lo) {
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    __m256bh h0, l0, h1, l1;
+    split_terms(_mm512_loadu_ps(st + jj * kBQ), h0, l0);
+    split_terms(_mm512_loadu_ps(st + jj * kBQ + 16), h1, l1);
+    // lanes 0..15 then 16..31: (x0, x1), (x2, x3), ... as 32-bit words
+    _mm512_storeu_si512(hi + jj * 16, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)h0), (__m256i)h1, 1));
+    _mm512_storeu_si512(lo + jj * 16, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)l0), (__m256i)l1, 1));
+  }
+}
+
+// st as key pairs per query lane, (nk2, 32), in two terms; an odd nk pairs with a zero row.
+void key_pairs(float* st, int64_t nk, uint32_t* hi, uint32_t* lo) {
+  if (nk % 2 != 0) std::memset(st + nk * kBQ, 0, kBQ * sizeof(float));
+  for (int64_t j2 = 0; j2 < (nk + 1) / 2; ++j2) {
+    for (int h = 0; h < 2; ++h) {
+      __m256bh he, le, ho, lo_;
+      split_terms(_mm512_loadu_ps(st + 2 * j2 * kBQ + h * 16), he, le);
+      split_terms(_mm512_loadu_ps(st + (2 * j2 + 1) * kBQ + h * 16), ho, lo_);
+      _mm512_storeu_si512(hi + j2 * kBQ + h * 16, interleave(he, ho));
+      _mm512_storeu_si512(lo + j2 * kBQ + h * 16, interleave(le, lo_));
+    }
+  }
+}
+
+void lse_base2(const float* lse, int64_t i0, int64_t n, float* lse2) {
+  for (int64_t q = 0; q < kBQ; ++q) {
+    const float l = q < n ? lse[i0 + q] : kNegInf;
+    lse2[q] = l == kNegInf ? std::numeric_limits<float>::infinity()
+                           : static_cast<float>(static_cast<double>(l) * std::numbers::log2e);
+  }
+}
+
+int64_t backward_workspace_bytes(int64_t L, int64_t E, int64_t Ev) {
+  const int64_t lp = padded_rows(L), ep = r16(E), evp = r16(Ev), e2 = (E + 1) / 2, ev2 = (Ev + 1) / 2;
+  const int64_t words = lp * (e2 + ev2) + lp / 2 * (ep + evp) + kGK / 2 * ep + 2 * (2 * kBK * 16 + kBK / 2 * kBQ);
+  const int64_t floats = lp * ep + 2 * lp + 3 * kBK * kBQ + kGK * (ep + evp);
+  return 4 * (words + floats) + 64;
+}
+
+// D_i and sum_j P_ij for rows [i0, i0 + nq) of the head, over every key the rows see.
+void row_dots(const FlashBwdParams& p, const FlashBwdHead& h, int64_t i0, int64_t nq, float* d, float* mass, void* ws) {
+  const int64_t e2 = (p.E + 1) / 2, ev2 = (p.Ev + 1) / 2;
+  const auto* q = static_cast<const uint16_t*>(h.q);
+  const auto* k = static_cast<const uint16_t*>(h.k);
+  const auto* v = static_cast<const uint16_t*>(h.v);
+  const auto* dout = static_cast<const uint16_t*>(h.dout);
+  auto* qt2 = static_cast<uint32_t*>(ws);
+  uint32_t* dot2 = qt2 + e2 * kBQ;
+  auto* st = reinterpret_cast<float*>(dot2 + ev2 * kBQ);
+  float* dpt = st + kBK * kBQ;
+  float* lse2 = dpt + kBK * kBQ;
+  pack_transposed(q + i0 * p.q_row, p.q_row, nq, p.E, qt2);
+  pack_transposed(dout + i0 * h.do_row, h.do_row, nq, p.Ev, dot2);
+  lse_base2(h.lse, i0, nq, lse2);
+  const QueryBlock qb{i0, nq, h.bh, h.mask != nullptr ? h.mask + i0 * p.mask_row : nullptr};
+  int64_t s_end = p.S;
+  if (p.causal) s_end = imin(i0 + nq + p.causal_offset, p.S);
+  __m512 dd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, pm[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t j0 = 0; j0 < s_end; j0 += kBK) {
+    const int64_t nk = imin(kBK, s_end - j0);
+    scores(qt2, k + j0 * p.k_row, p.k_row, p.E, nk, st);
+    probabilities(p, qb, j0, nk, lse2, st);
+    scores(dot2, v + j0 * p.v_row, p.v_row, p.Ev, nk, dpt);
+    if (p.dropout_p > 0.0f) dropout_grad(p, qb, j0, nk, dpt);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      for (int hh = 0; hh < 2; ++hh) {
+        const __m512 pv = _mm512_loadu_ps(st + jj * kBQ + hh * 16);
+        dd[hh] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(dpt + jj * kBQ + hh * 16), dd[hh]);
+        pm[hh] = _mm512_add_ps(pm[hh], pv);
+      }
+    }
+  }
+  alignas(64) float dv[kBQ], mv[kBQ];
+  _mm512_store_ps(dv, dd[0]);
+  _mm512_store_ps(dv + 16, dd[1]);
+  _mm512_store_ps(mv, pm[0]);
+  _mm512_store_ps(mv + 16, pm[1]);
+  for (int64_t r = 0; r < nq; ++r) d[r] = dv[r], mass[r] = mv[r];
+}
+
+void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
+  const int64_t L = p.L, E = p.E, Ev = p.Ev;
+  const int64_t lp = padded_rows(L), ep = r16(E), evp = r16(Ev), e2 = (E + 1) / 2, ev2 = (Ev + 1) / 2;
+  const auto* q = static_cast<const uint16_t*>(h.q);
+  const auto* k = static_cast<const uint16_t*>(h.k);
+  const auto* v = static_cast<const uint16_t*>(h.v);
+  const auto* dout = static_cast<const uint16_t*>(h.dout);
+  auto* qt2 = static_cast<uint32_t*>(ws);
+  uint32_t* dot2 = qt2 + lp * e2;
+  uint32_t* qp = dot2 + lp * ev2;
+  uint32_t* dop = qp + lp / 2 * ep;
+  uint32_t* kp = dop + lp / 2 * evp;
+  uint32_t* ppq = kp + kGK / 2 * ep;
+  uint32_t* dsq = ppq + kBK * 16;
+  uint32_t* dsk = dsq + kBK * 16;
+  uint32_t* ppl = dsk + kBK / 2 * kBQ;
+  uint32_t* dsql = ppl + kBK * 16;
+  uint32_t* dskl = dsql + kBK * 16;
+  auto* dq = reinterpret_cast<float*>(dskl + kBK / 2 * kBQ);
+  float* lse2 = dq + lp * ep;
+  float* dd = lse2 + lp;
+  float* st = dd + lp;
+  float* dpt = st + kBK * kBQ;
+  float* pdt = dpt + kBK * kBQ;
+  float* dkb = pdt + kBK * kBQ;
+  float* dvb = dkb + kGK * ep;
+
+  pack_transposed(q, p.q_row, L, E, qt2);
+  pack_transposed(dout, h.do_row, L, Ev, dot2);
+  pack_row_pairs(q, p.q_row, L, E, lp, qp);
+  pack_row_pairs(dout, h.do_row, L, Ev, lp, dop);
+  std::memset(dq, 0, static_cast<size_t>(lp * ep) * sizeof(float));
+  for (int64_t i0 = 0; i0 < lp; i0 += kBQ) lse_base2(h.lse, i0, imin(kBQ, L - i0), lse2 + i0);
+  for (int64_t i = 0; i < lp; ++i) dd[i] = i < L ? h.dd[i] : 0.0f;
+
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int64_t g0 = h.j_begin; g0 < h.j_end; g0 += kGK) {
+    const int64_t ng = imin(kGK, h.j_end - g0);
+    int64_t i_first = 0;
+    if (p.causal) {  // query i sees key j iff j <= i + offset
+      i_first = g0 - p.causal_offset;
+      if (i_first >= L) break;
+      if (i_first < 0) i_first = 0;
+      i_first = i_first / kBQ * kBQ;
+    }
+    pack_pairs(k + g0 * p.k_row, p.k_row, ng, E, kp);
+    std::memset(dkb, 0, static_cast<size_t>(kGK * ep) * sizeof(float));
+    std::memset(dvb, 0, static_cast<size_t>(kGK * evp) * sizeof(float));
+    for (int64_t i0 = i_first; i0 < L; i0 += kBQ) {
+      const QueryBlock qb{i0, imin(kBQ, L - i0), h.bh, h.mask != nullptr ? h.mask + i0 * p.mask_row : nullptr};
+      const __m512 d0 = _mm512_loadu_ps(dd + i0), d1 = _mm512_loadu_ps(dd + i0 + 16);
+      for (int64_t j0 = g0; j0 < g0 + ng; j0 += kBK) {
+        if (p.causal && j0 > i0 + qb.nq - 1 + p.causal_offset) break;  // hidden from the block
+        const int64_t nk = imin(kBK, g0 + ng - j0), kk = j0 - g0;
+        scores(qt2 + i0 * e2, k + j0 * p.k_row, p.k_row, E, nk, st);
+        probabilities(p, qb, j0, nk, lse2 + i0, st);
+        scores(dot2 + i0 * ev2, v + j0 * p.v_row, p.v_row, Ev, nk, dpt);
+        const float* pd = st;
+        if (p.dropout_p > 0.0f) {
+          std::memcpy(pdt, st, static_cast<size_t>(nk * kBQ) * sizeof(float));
+          dropout_block(p, qb, j0, nk, pdt);
+          dropout_grad(p, qb, j0, nk, dpt);
+          pd = pdt;
+        }
+        // dV_blk (nk x Ev) += P_d^T (nk x 32) @ dO rows (32 x Ev)
+        query_pairs(pd, nk, ppq, ppl);
+        pairs_update(ppq, 16, 1, dop + i0 / 2 * evp, evp, kBQ / 2, nk, evp, dvb + kk * evp, evp, ppl);
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          for (int hh = 0; hh < 2; ++hh) {
+            const __m512 pv = _mm512_loadu_ps(st + jj * kBQ + hh * 16);
+            const __m512 dp = _mm512_sub_ps(_mm512_loadu_ps(dpt + jj * kBQ + hh * 16), hh == 0 ? d0 : d1);
+            _mm512_storeu_ps(st + jj * kBQ + hh * 16, _mm512_mul_ps(_mm512_mul_ps(pv, dp), scale));
+          }
+        }
+        // dK_blk (nk x E) += dS^T (nk x 32) @ Q rows (32 x E)
+        query_pairs(st, nk, dsq, dsql);
+        pairs_update(dsq, 16, 1, qp + i0 / 2 * ep, ep, kBQ / 2, nk, ep, dkb + kk * ep, ep, dsql);
+        // dQ rows (32 x E) += dS (32 x nk) @ K rows (nk x E)
+        key_pairs(st, nk, dsk, dskl);
+        pairs_update(dsk, 1, kBQ, kp + kk / 2 * ep, ep, (nk + 1) / 2, kBQ, ep, dq + i0 * ep, ep, dskl);
+      }
+    }
+    for (int64_t jj = 0; jj < ng; ++jj) {
+      float* dk = h.dk + (g0 + jj) * E;
+      float* dv = h.dv + (g0 + jj) * Ev;
+      for (int64_t e = 0; e < E; ++e) dk[e] += dkb[jj * ep + e];
+      for (int64_t e = 0; e < Ev; ++e) dv[e] += dvb[jj * evp + e];
+    }
+  }
+  for (int64_t i = 0; i < L; ++i) std::memcpy(h.dq + i * E, dq + i * ep, static_cast<size_t>(E) * sizeof(float));
+}
+
+int64_t row_dots_workspace_bytes(int64_t E, int64_t Ev) {
+  return 4 * (((E + 1) / 2 + (Ev + 1) / 2) * kBQ + 2 * kBK * kBQ + kBQ);
+}
+
+}  // namespace
+}  // namespace attn::cpu::avx512_bf16
+
+namespace attn::cpu {
+const Bf16BackwardKernel& bf16_backward_avx512() {
+  using namespace avx512_bf16;
+  static const Bf16BackwardKernel k{kBQ, row_dots_workspace_bytes, row_dots, backward_workspace_bytes, backward};
+  return k;
+}
+}  // namespace attn::cpu
