@@ -257,12 +257,23 @@ const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p) {
 
 // bf16 gradients on vdpbf16ps (flash_bwd_avx512_bf16.cpp) where every input is bf16 and finite;
 // fp16, float32 at reduced precision and NaN/Inf go to the float32 AVX-512 kernel, widened.
+// The native backward does 10 vdpbf16ps products per (query, key) pair's 5 (two terms for P and
+// dS, two more for D) against the widened path's 5 FMA products plus a recomputed forward (2):
+// where vdpbf16ps does under kBf16BackwardMinSpeedup x the FMA multiply-adds (Intel Sapphire
+// Rapids: 0.50x) the widened path is the faster one. The AVX512-BF16 kernel, which kAuto takes
+// only where the dot unit pays, always runs its own backward (also when forced by name); the AMX
+// kernel, taken for its tiles, runs it only where the dot unit is fast.
+constexpr double kBf16BackwardMinSpeedup = 1.5;
+
+template <bool kAlways>
 SdpaGrads bf16_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaSaved& forward, const SdpaOptions& options, const SdpaProblem& p) {
   const int n = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   const bool native = p.dtype == DType::kBFloat16 && p.kv_dtype == DType::kBFloat16 &&
-                      dout.dtype() == DType::kBFloat16 && cpu::all_finite_16(q, n) && cpu::all_finite_16(k, n) &&
-                      cpu::all_finite_16(v, n) && cpu::all_finite_16(dout, n);
+                      dout.dtype() == DType::kBFloat16 &&
+                      (kAlways || cpu::unit_rates().bf16_dot_speedup() >= kBf16BackwardMinSpeedup) &&
+                      cpu::all_finite_16(q, n) && cpu::all_finite_16(k, n) && cpu::all_finite_16(v, n) &&
+                      cpu::all_finite_16(dout, n);
   if (!native) return fused_backward<cpu::flash_kernel_avx512>(dout, q, k, v, forward, options, p);
   return cpu::flash_backward_bf16(cpu::bf16_backward_avx512(), dout, q, k, v, forward, options, p);
 }
@@ -294,10 +305,10 @@ const SdpaKernel kKernels[] = {
 #if defined(ATTN_HAVE_X86_KERNELS)
     {"cpu.flash.amx_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma | kAmxTile | kAmxBf16,
-     kSixteenBit, 450, bf16_why_not, bf16_forward<amx_table>, bf16_backward, nullptr, false, nullptr, /*reduced_float32=*/true},
+     kSixteenBit, 450, bf16_why_not, bf16_forward<amx_table>, bf16_backward<false>, nullptr, false, nullptr, /*reduced_float32=*/true},
     {"cpu.flash.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kBFloat16Only, 400,
-     bf16_why_not, bf16_forward<avx512_bf16_table>, bf16_backward,
+     bf16_why_not, bf16_forward<avx512_bf16_table>, bf16_backward<true>,
      bf16_auto_declines},
     {"cpu.flash.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 300, flash_why_not, fused_forward<flash_kernel_avx512>,
