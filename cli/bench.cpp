@@ -393,16 +393,23 @@ BenchResult run_bench(const BenchConfig& c) {
   r.cpu = cpu_description();
   // The roof is the peak of the unit the kernel's products run on, measured now, on as many
   // threads: the AMX tiles or the BF16 dot unit for the native bf16 kernels, the FMA unit for
-  // every float32 kernel (also when it takes 16-bit inputs widened). The AVX512-BF16 kernel's
-  // bf16 backward runs on the BF16 dot unit; the AMX kernel's runs there only where that unit
-  // does 1.5x the FMA rate (registry.cpp; not on the Intel Xeons seen, 0.50x) and widened on the
-  // float32 FMA kernel otherwise: its roof stays the FMA peak.
+  // every float32 kernel (also when it takes 16-bit inputs widened). A bf16 backward runs on the
+  // BF16 dot unit where the registry runs it natively: cpu.flash.avx512_bf16 forced by name, or
+  // where vdpbf16ps does at least 1.5x the FMA rate (registry.cpp; not on the Intel Xeons seen,
+  // 0.50x), else widened on the FMA kernel.
   std::optional<PeakResult> peak;
   if (r.kernel == "cpu.flash.amx_bf16" && !c.backward) peak = measure_amx_bf16_peak(threads);
-  if (r.kernel == "cpu.flash.avx512_bf16" && (!c.backward || dtype == DType::kBFloat16)) {
-    peak = measure_bf16_dot_peak(threads);
+  if (r.kernel == "cpu.flash.avx512_bf16" && !c.backward) peak = measure_bf16_dot_peak(threads);
+  const bool native16 = r.kernel == "cpu.flash.amx_bf16" || r.kernel == "cpu.flash.avx512_bf16";
+  if (native16 && c.backward && dtype == DType::kBFloat16) {
+    const std::optional<PeakResult> dot = measure_bf16_dot_peak(threads);
+    if (dot && c.kernel == "cpu.flash.avx512_bf16") {
+      peak = dot;
+    } else if (dot && dot->gflops >= 1.5 * measure_fma_peak(threads).gflops) {
+      peak = dot;
+    }
   }
-  r.unit = !peak ? "fma" : r.kernel == "cpu.flash.amx_bf16" ? "amx-bf16" : "bf16-dot";
+  r.unit = !peak ? "fma" : r.kernel == "cpu.flash.amx_bf16" && !c.backward ? "amx-bf16" : "bf16-dot";
   if (!peak) peak = measure_fma_peak(threads);
   r.peak_gflops = peak->gflops;
   r.simd = peak->isa;

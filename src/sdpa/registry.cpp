@@ -260,20 +260,19 @@ const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p) {
 // The native backward does 10 vdpbf16ps products per (query, key) pair's 5 (two terms for P and
 // dS, two more for D) against the widened path's 5 FMA products plus a recomputed forward (2):
 // where vdpbf16ps does under kBf16BackwardMinSpeedup x the FMA multiply-adds (Intel Sapphire
-// Rapids: 0.50x) the widened path is the faster one. The AVX512-BF16 kernel, which kAuto takes
-// only where the dot unit pays, always runs its own backward (also when forced by name); the AMX
-// kernel, taken for its tiles, runs it only where the dot unit is fast.
+// Rapids: 0.50x; AMD Zen 5: 2.0x) the widened path is the faster one, and kAuto takes it. The
+// AVX512-BF16 kernel forced by name runs its own backward wherever the CPU has the unit.
 constexpr double kBf16BackwardMinSpeedup = 1.5;
 
-template <bool kAlways>
+template <bool kNamedRunsNative>
 SdpaGrads bf16_backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaSaved& forward, const SdpaOptions& options, const SdpaProblem& p) {
   const int n = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  const bool pays = (kNamedRunsNative && !options.kernel.empty()) ||
+                    cpu::unit_rates().bf16_dot_speedup() >= kBf16BackwardMinSpeedup;
   const bool native = p.dtype == DType::kBFloat16 && p.kv_dtype == DType::kBFloat16 &&
-                      dout.dtype() == DType::kBFloat16 &&
-                      (kAlways || cpu::unit_rates().bf16_dot_speedup() >= kBf16BackwardMinSpeedup) &&
-                      cpu::all_finite_16(q, n) && cpu::all_finite_16(k, n) && cpu::all_finite_16(v, n) &&
-                      cpu::all_finite_16(dout, n);
+                      dout.dtype() == DType::kBFloat16 && pays && cpu::all_finite_16(q, n) &&
+                      cpu::all_finite_16(k, n) && cpu::all_finite_16(v, n) && cpu::all_finite_16(dout, n);
   if (!native) return fused_backward<cpu::flash_kernel_avx512>(dout, q, k, v, forward, options, p);
   return cpu::flash_backward_bf16(cpu::bf16_backward_avx512(), dout, q, k, v, forward, options, p);
 }

@@ -15,7 +15,10 @@
 #include <vector>
 
 #include "attn/attn.hpp"
+#include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/sdpa_cases.hpp"
+#include "sdpa/problem.hpp"
+#include "sdpa/registry.hpp"
 
 namespace attn {
 namespace {
@@ -61,8 +64,9 @@ std::vector<Case> low_sweep() {
     }
   }
   for (MaskKind m : masks) cases.push_back({1, 4, 2, 130, 67, 64, 64, m, 0.0f});
-  // One key/value head of 600 or 777 keys: the backward splits them into key ranges of whole
-  // 256-key groups (flash_bwd_split.hpp) and sums their dQ, the last group partial and odd.
+  // One key/value head of 600 or 777 keys: the backward splits them into 2 and 3 key ranges of
+  // whole 256-key groups (flash_bwd_split.hpp) and sums their dQ; the last group is partial (88
+  // keys; 9, odd).
   cases.push_back({1, 2, 1, 520, 600, 8, 8, MaskKind::kCausalBottomRight, 0.0f});
   cases.push_back({1, 1, 1, 300, 777, 16, 24, MaskKind::kNone, 0.1f});
   return cases;
@@ -173,6 +177,36 @@ TEST_P(LowPrecision, SameBitsForOneAndTwoThreads) {
 
 INSTANTIATE_TEST_SUITE_P(Sweep, LowPrecision, testing::ValuesIn(low_sweep()),
                          [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+
+// cpu.flash.avx512_bf16 forced by name computes bf16 gradients with its own backward (the
+// vdpbf16ps driver, bit for bit), not widened: the tests above that force it test that kernel.
+TEST(LowPrecisionBackward, TheForcedAvx512Bf16KernelRunsTheNativeBackward) {
+#if defined(__x86_64__)
+  bool runs = false;
+  for (const SdpaKernelInfo& k : sdpa_kernels()) runs = runs || (k.name == "cpu.flash.avx512_bf16" && k.runs_on_this_cpu);
+  if (!runs) GTEST_SKIP() << "cpu.flash.avx512_bf16 does not run on this CPU (no AVX512-BF16)";
+  manual_seed(3);
+  const Tensor q = randn({1, 3, 45, 24}).to(DType::kBFloat16), k = randn({1, 3, 61, 24}).to(DType::kBFloat16),
+               v = randn({1, 3, 61, 24}).to(DType::kBFloat16), dout = randn({1, 3, 45, 24}).to(DType::kBFloat16);
+  SdpaOptions o;
+  o.kernel = "cpu.flash.avx512_bf16";
+  o.is_causal = true;
+  o.need_lse = true;
+  const SdpaResult f = scaled_dot_product_attention(q, k, v, o);
+  const SdpaGrads g = scaled_dot_product_attention_backward(dout, q, k, v, f, o);
+  const detail::SdpaProblem p = detail::check_sdpa(q, k, v, o);
+  const SdpaGrads n = cpu::flash_backward_bf16(cpu::bf16_backward_avx512(), dout, q, k, v, SdpaSaved(f.output, f.lse), o, p);
+  EXPECT_EQ(g.grad_query.to_vector(), n.grad_query.to_vector());
+  EXPECT_EQ(g.grad_key.to_vector(), n.grad_key.to_vector());
+  EXPECT_EQ(g.grad_value.to_vector(), n.grad_value.to_vector());
+  // ... and the widened float32 kernel gives other bits (P and dS in two bf16 terms are not float32).
+  o.kernel = "cpu.flash.avx512";
+  const SdpaGrads w = scaled_dot_product_attention_backward(dout, q, k, v, f, o);
+  EXPECT_NE(g.grad_query.to_vector(), w.grad_query.to_vector());
+#else
+  GTEST_SKIP() << "x86-64 only";
+#endif
+}
 
 // Context parallelism in bf16: backward calls on (query slice, key slice) pairs, each given the
 // whole call's output and LSE, sum to the whole call's gradients. The native bf16 backward forms

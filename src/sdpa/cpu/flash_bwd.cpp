@@ -205,6 +205,7 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
   const int dthreads = std::max<int>(1, std::min<int64_t>(cores, p.batch * nqb));
 #pragma omp parallel num_threads(dthreads)
   {
+    const FlushDenormals ftz;
     std::vector<float> ws(static_cast<size_t>((kernel.row_dots_workspace_bytes(p.E, p.Ev) + 3) / 4));
     std::vector<float> mass(static_cast<size_t>(bq));
 #pragma omp for schedule(dynamic, 4)

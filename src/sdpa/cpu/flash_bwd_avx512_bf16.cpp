@@ -95,7 +95,8 @@ void probabilities(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64
   for (int64_t jj = 0; jj < nk; ++jj) {
     for (int h = 0; h < 2; ++h) {
       const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(st + jj * kBQ + h * 16), h == 0 ? l0 : l1);
-      _mm512_storeu_ps(st + jj * kBQ + h * 16, exp2_avx512(_mm512_min_ps(x, _mm512_setzero_ps())));
+      // min(0, x): a NaN x (a NaN additive mask) stays NaN, as in the float32 kernel.
+      _mm512_storeu_ps(st + jj * kBQ + h * 16, exp2_avx512(_mm512_min_ps(_mm512_setzero_ps(), x)));
     }
   }
 }
@@ -184,27 +185,35 @@ void row_dots(const FlashBwdParams& p, const FlashBwdHead& h, int64_t i0, int64_
   const QueryBlock qb{i0, nq, h.bh, h.mask != nullptr ? h.mask + i0 * p.mask_row : nullptr};
   int64_t s_end = p.S;
   if (p.causal) s_end = imin(i0 + nq + p.causal_offset, p.S);
-  __m512 dd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, pm[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  // The mass is summed in float32 within a key block and in float64 across blocks: on a row of
+  // 32k keys a float32 sum drifts past the whole-row tolerance of the driver.
+  __m512 dd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512d pm[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
   for (int64_t j0 = 0; j0 < s_end; j0 += kBK) {
     const int64_t nk = imin(kBK, s_end - j0);
     scores(qt2, k + j0 * p.k_row, p.k_row, p.E, nk, st);
     probabilities(p, qb, j0, nk, lse2, st);
     scores(dot2, v + j0 * p.v_row, p.v_row, p.Ev, nk, dpt);
     if (p.dropout_p > 0.0f) dropout_grad(p, qb, j0, nk, dpt);
+    __m512 pb[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t jj = 0; jj < nk; ++jj) {
       for (int hh = 0; hh < 2; ++hh) {
         const __m512 pv = _mm512_loadu_ps(st + jj * kBQ + hh * 16);
         dd[hh] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(dpt + jj * kBQ + hh * 16), dd[hh]);
-        pm[hh] = _mm512_add_ps(pm[hh], pv);
+        pb[hh] = _mm512_add_ps(pb[hh], pv);
       }
     }
+    for (int hh = 0; hh < 2; ++hh) {
+      pm[2 * hh] = _mm512_add_pd(pm[2 * hh], _mm512_cvtps_pd(_mm512_castps512_ps256(pb[hh])));
+      pm[2 * hh + 1] = _mm512_add_pd(pm[2 * hh + 1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(pb[hh], 1)));
+    }
   }
-  alignas(64) float dv[kBQ], mv[kBQ];
+  alignas(64) float dv[kBQ];
+  alignas(64) double mv[kBQ];
   _mm512_store_ps(dv, dd[0]);
   _mm512_store_ps(dv + 16, dd[1]);
-  _mm512_store_ps(mv, pm[0]);
-  _mm512_store_ps(mv + 16, pm[1]);
-  for (int64_t r = 0; r < nq; ++r) d[r] = dv[r], mass[r] = mv[r];
+  for (int i = 0; i < 4; ++i) _mm512_store_pd(mv + 8 * i, pm[i]);
+  for (int64_t r = 0; r < nq; ++r) d[r] = dv[r], mass[r] = static_cast<float>(mv[r]);
 }
 
 void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
