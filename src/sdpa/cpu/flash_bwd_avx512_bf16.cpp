@@ -167,13 +167,19 @@ int64_t backward_workspace_bytes(int64_t L, int64_t E, int64_t Ev) {
   return 4 * (words + floats) + 64;
 }
 
+// The head's q, k, v and dO as bf16 bits (FlashBwdHead holds them untyped for every kernel).
+struct Bf16Rows {
+  const uint16_t *q, *k, *v, *dout;
+};
+inline Bf16Rows bf16_rows(const FlashBwdHead& h) {
+  return {static_cast<const uint16_t*>(h.q), static_cast<const uint16_t*>(h.k), static_cast<const uint16_t*>(h.v),
+          static_cast<const uint16_t*>(h.dout)};
+}
+
 // D_i and sum_j P_ij for rows [i0, i0 + nq) of the head, over every key the rows see.
 void row_dots(const FlashBwdParams& p, const FlashBwdHead& h, int64_t i0, int64_t nq, float* d, float* mass, void* ws) {
   const int64_t e2 = (p.E + 1) / 2, ev2 = (p.Ev + 1) / 2;
-  const auto* q = static_cast<const uint16_t*>(h.q);
-  const auto* k = static_cast<const uint16_t*>(h.k);
-  const auto* v = static_cast<const uint16_t*>(h.v);
-  const auto* dout = static_cast<const uint16_t*>(h.dout);
+  const auto [q, k, v, dout] = bf16_rows(h);
   auto* qt2 = static_cast<uint32_t*>(ws);
   uint32_t* dot2 = qt2 + e2 * kBQ;
   auto* st = reinterpret_cast<float*>(dot2 + ev2 * kBQ);
@@ -219,10 +225,7 @@ void row_dots(const FlashBwdParams& p, const FlashBwdHead& h, int64_t i0, int64_
 void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
   const int64_t L = p.L, E = p.E, Ev = p.Ev;
   const int64_t lp = padded_rows(L), ep = r16(E), evp = r16(Ev), e2 = (E + 1) / 2, ev2 = (Ev + 1) / 2;
-  const auto* q = static_cast<const uint16_t*>(h.q);
-  const auto* k = static_cast<const uint16_t*>(h.k);
-  const auto* v = static_cast<const uint16_t*>(h.v);
-  const auto* dout = static_cast<const uint16_t*>(h.dout);
+  const auto [q, k, v, dout] = bf16_rows(h);
   auto* qt2 = static_cast<uint32_t*>(ws);
   uint32_t* dot2 = qt2 + lp * e2;
   uint32_t* qp = dot2 + lp * ev2;
