@@ -272,7 +272,9 @@ void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
       const __m512 d0 = _mm512_loadu_ps(dd + i0), d1 = _mm512_loadu_ps(dd + i0 + 16);
       for (int64_t j0 = g0; j0 < g0 + ng; j0 += kBK) {
         if (p.causal && j0 > i0 + qb.nq - 1 + p.causal_offset) break;  // hidden from the block
-        const int64_t nk = imin(kBK, g0 + ng - j0), kk = j0 - g0;
+        int64_t nk = imin(kBK, g0 + ng - j0);
+        const int64_t kk = j0 - g0;
+        if (p.causal) nk = imin(nk, i0 + qb.nq + p.causal_offset - j0);  // as the float32 kernel
         scores(qt2 + i0 * e2, k + j0 * p.k_row, p.k_row, E, nk, st);
         probabilities(p, qb, j0, nk, lse2 + i0, st);
         scores(dot2 + i0 * ev2, v + j0 * p.v_row, p.v_row, Ev, nk, dpt);
