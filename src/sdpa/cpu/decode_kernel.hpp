@@ -223,8 +223,8 @@ inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, c
 }
 
 // acc[r][c0 : c0 + CV*W] += sum_u P[r][u] * v_u[c0 : ...] for RT rows from r0, the tile in
-// registers over the chunk's tokens. A zero weight is skipped, never multiplied.
-template <KvType T, int RT, int CV>
+// registers over the chunk's tokens. With kGuard a zero weight is skipped, never multiplied.
+template <KvType T, int RT, int CV, bool kGuard>
 inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
                     int64_t Evp, float* acc) {
   vf a[RT][CV];
@@ -236,7 +236,9 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
     for (int c = 0; c < CV; ++c) v[c] = load_as_float<T>(vrows[u], c0 + c * W);
     for (int r = 0; r < RT; ++r) {
       const float pr = st[(r0 + r) * kDecodeChunk + u];
-      if (pr == 0.0f) continue;
+      if constexpr (kGuard) {
+        if (pr == 0.0f) continue;
+      }
       const vf pb = splat(pr);
       for (int c = 0; c < CV; ++c) a[r][c] += pb * v[c];
     }
@@ -246,13 +248,39 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
   }
 }
 
-template <KvType T, int RT>
-inline void pv_rows(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
+// Whether a weight among rows [r0, r0 + RT)'s first nk is exactly zero: only then must the tile
+// test each weight (a test per row and token was a fifth of a bf16 decode's instructions).
+inline bool any_zero_weight(const float* st, int64_t r0, int RT, int64_t nk) {
+  for (int r = 0; r < RT; ++r) {
+    const float* sr = st + (r0 + r) * kDecodeChunk;
+    int64_t u = 0;
+    for (; u + W <= nk; u += W) {
+      if (count_true(load(sr + u) == 0.0f) != 0) return true;
+    }
+    for (; u < nk; ++u) {
+      if (sr[u] == 0.0f) return true;
+    }
+  }
+  return false;
+}
+
+template <KvType T, int RT, bool kGuard>
+inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
                     float* acc) {
   constexpr int kCV = W >= 16 ? 4 : 2;
   int64_t c0 = 0;
-  for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV>(st, vrows, nk, r0, c0, Evp, acc);
-  for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1>(st, vrows, nk, r0, c0, Evp, acc);
+  for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV, kGuard>(st, vrows, nk, r0, c0, Evp, acc);
+  for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1, kGuard>(st, vrows, nk, r0, c0, Evp, acc);
+}
+
+template <KvType T, int RT>
+inline void pv_rows(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
+                    float* acc) {
+  if (any_zero_weight(st, r0, RT, nk)) {
+    pv_cols<T, RT, true>(st, vrows, nk, r0, Evp, acc);
+  } else {
+    pv_cols<T, RT, false>(st, vrows, nk, r0, Evp, acc);
+  }
 }
 
 // P.V for all rows of the chunk, in register tiles of 4, 2 and 1 rows.
@@ -383,6 +411,75 @@ inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, f
   for (; r < R; ++r) st[r * kDecodeChunk] = dot_row<T>(q + r * Ep, k, Ep) * s;
 }
 
+#if defined(__AVX512F__) && ATTN_SIMD_WIDTH == 16
+// Few rows (R < W) with AVX-512: the chunk's scores four tokens at a time, so that each vector
+// of a query row is loaded once for four key rows (scores_token loads it for every key: with
+// E = 128 and four rows that was 32 loads of q per token against 8 of the key). The 16 sums
+// (4 rows x 4 tokens) are reduced in one transposing butterfly, adding lanes l and l + 8, then
+// l + 4, l + 2, l + 1 as hsum4 does, so each score has the bits dot_rows4 gives it.
+constexpr bool kScoresByFour = true;
+
+inline __m512 to_m512(vf x) {
+  __m512 r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+
+// Lane 4 r + t of the result is the sum of acc[t][r]'s lanes.
+inline __m512 hsum16(const vf (&acc)[4][4]) {
+  __m512 b[8], c[4];
+  for (int m = 0; m < 8; ++m) {  // sources 2m, 2m + 1 (n = 4 t + r): lanes l + 8
+    const __m512 x = to_m512(acc[(2 * m) / 4][(2 * m) % 4]), y = to_m512(acc[(2 * m + 1) / 4][(2 * m + 1) % 4]);
+    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xee));
+  }
+  for (int m = 0; m < 4; ++m) {  // lanes l + 4: block j of c[m] belongs to source 4m + j
+    c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xdd));
+  }
+  // lanes l + 2, then l + 1: block j lane i of the result is source 4 i + j
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xee));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2], c[3], 0x44), _mm512_shuffle_ps(c[2], c[3], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xdd));
+}
+
+// st[r * kDecodeChunk + t] = s[t] * (q_r . k_t) for rows [r0, r0 + 4) and four key rows of type T.
+template <KvType T>
+inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const void* const* k,
+                                 const float* s, float* st) {
+  vf acc[4][4] = {};
+  for (int64_t e = 0; e < Ep; e += W) {
+    vf kv[4];
+    for (int t = 0; t < 4; ++t) kv[t] = load_as_float<T>(k[t], e);
+    for (int r = 0; r < 4; ++r) {
+      const vf qv = load(q + (r0 + r) * Ep + e);
+      for (int t = 0; t < 4; ++t) acc[t][r] += qv * kv[t];
+    }
+  }
+  const __m512 x = _mm512_mul_ps(hsum16(acc), _mm512_broadcast_f32x4(_mm_loadu_ps(s)));
+  float* out = st + r0 * kDecodeChunk;
+  _mm_storeu_ps(out, _mm512_extractf32x4_ps(x, 0));
+  _mm_storeu_ps(out + kDecodeChunk, _mm512_extractf32x4_ps(x, 1));
+  _mm_storeu_ps(out + 2 * kDecodeChunk, _mm512_extractf32x4_ps(x, 2));
+  _mm_storeu_ps(out + 3 * kDecodeChunk, _mm512_extractf32x4_ps(x, 3));
+}
+
+// Four tokens' scores for R < W rows: rows by four, the rest as scores_token does. k[t] are
+// rows of type T read in place, s[t] the token's scale (times scale_log2).
+template <KvType T>
+inline void scores_tokens4(const float* q, int64_t R, int64_t Ep, const void* const* k, const float* s,
+                           float* st) {
+  const int64_t R4 = R / 4 * 4;
+  for (int64_t r0 = 0; r0 < R4; r0 += 4) scores_rows4_tokens4<T>(q, r0, Ep, k, s, st);
+  for (int64_t r = R4; r < R; ++r) {
+    for (int64_t t = 0; t < 4; ++t) st[r * kDecodeChunk + t] = dot_row<T>(q + r * Ep, k[t], Ep) * s[t];
+  }
+}
+#else
+constexpr bool kScoresByFour = false;
+template <KvType T>
+inline void scores_tokens4(const float*, int64_t, int64_t, const void* const*, const float*, float*) {}
+#endif
+
 // The score modifiers on one row's chunk of base-2 scores sr[0, nkp), in place and in the fused
 // forward's order (flash_kernel.hpp's modify_block): softcap x = c2 tanh(x / c2), then ALiBi
 // x -= slope2 |i' - j| with d0 = i' - c0 the distance to the chunk's first key. The padding past
@@ -487,6 +584,17 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
         kf[u] = T == KvType::kFloat32 && k_in_place ? reinterpret_cast<const float*>(kr[u])
                                                     : widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
         kscale[u] = s;
+      } else if (kScoresByFour) {  // by four tokens, as their rows arrive
+        kscale[u] = s;
+        if (k_in_place) {
+          if (u % 4 == 3) scores_tokens4<T>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
+        } else {
+          kf[u] = widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
+          if (u % 4 == 3) {
+            scores_tokens4<KvType::kFloat32>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kf + u - 3),
+                                             kscale + u - 3, st + u - 3);
+          }
+        }
       } else if (k_in_place) {
         scores_token<T>(it.q, it.R, p.Ep, kr[u], s, st + u);
       } else {
@@ -494,7 +602,17 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       }
     }
 
-    if (lanes) scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
+    if (lanes) {
+      scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
+    } else if (kScoresByFour) {  // the last nk % 4 tokens
+      for (int64_t u = nk / 4 * 4; u < nk; ++u) {
+        if (k_in_place) {
+          scores_token<T>(it.q, it.R, p.Ep, kr[u], kscale[u], st + u);
+        } else {
+          scores_token<KvType::kFloat32>(it.q, it.R, p.Ep, kf[u], kscale[u], st + u);
+        }
+      }
+    }
 
     for (int64_t r = 0; r < it.R; ++r) {
       float* sr = st + r * kDecodeChunk;

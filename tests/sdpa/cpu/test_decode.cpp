@@ -55,6 +55,10 @@ std::vector<Case> decode_sweep() {
     }
   }
   for (MaskKind m : masks) cases.push_back({1, 8, 2, 4, 1300, 128, 128, m, 0.0f});
+  // Six rows per kv head (group 3, two queries): AVX-512's scores by four rows and four tokens,
+  // with two rows and (333 = 5 chunks + 13) one token left over, keys in place and widened.
+  cases.push_back({1, 6, 2, 2, 333, 128, 128, MaskKind::kNone, 0.0f});
+  cases.push_back({1, 6, 2, 2, 333, 72, 72, MaskKind::kCausalBottomRight, 0.0f});
   return cases;
 }
 
