@@ -67,6 +67,26 @@ inline float hsum(vf x) {
 #endif
 }
 
+// The largest lane, with hsum's shuffles (no lane may be NaN: the caller tests first).
+inline float hmax(vf x) {
+#if ATTN_SIMD_WIDTH == 16
+  using v8 = float __attribute__((vector_size(32)));
+  const v8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 a = lo > hi ? lo : hi;
+#elif ATTN_SIMD_WIDTH == 8
+  const vf a = x;
+#endif
+#if ATTN_SIMD_WIDTH >= 8
+  using v4 = float __attribute__((vector_size(16)));
+  const v4 l4 = __builtin_shufflevector(a, a, 0, 1, 2, 3), h4 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const v4 b = l4 > h4 ? l4 : h4;
+#else
+  const vf b = x;
+#endif
+  const float m0 = b[0] > b[2] ? b[0] : b[2], m1 = b[1] > b[3] ? b[1] : b[3];
+  return m0 > m1 ? m0 : m1;
+}
+
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -645,7 +665,11 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       vf mx = splat(it.m[r]);
       for (int64_t u = 0; u < nkp; u += W) mx = vmax(mx, load(sr + u));
       float m_new = it.m[r];
-      for (int l = 0; l < W; ++l) m_new = mx[l] > m_new || mx[l] != mx[l] ? mx[l] : m_new;
+      if (m_new == m_new && count_true(mx != mx) == 0) {  // mx's lanes include m_new
+        m_new = hmax(mx);
+      } else {  // a NaN: the first one met, lane by lane
+        for (int l = 0; l < W; ++l) m_new = mx[l] > m_new || mx[l] != mx[l] ? mx[l] : m_new;
+      }
       const float msafe = m_new == kNegInf ? 0.0f : m_new;  // all hidden so far: exp2 gives 0
       const float alpha = exp2v(splat(it.m[r] - msafe))[0];
       vf sum = {};
