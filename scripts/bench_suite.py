@@ -580,6 +580,18 @@ def decode_section(text: str) -> str | None:
     return text[start:end + len(DECODE_END)] + "\n"
 
 
+# The sections other runs write into the same report (bench_suite --decode, bench_variants.py,
+# bench_torch.py), each between its markers.
+KEPT_MARKERS = (DECODE_BEGIN, "<!-- variants:begin -->", "<!-- torch:begin -->")
+
+
+def kept_tail(text: str) -> str | None:
+    """What a --standard run keeps of an existing report: everything from the first section
+    another run wrote (and the hand-written notes among them) to the end, or None."""
+    starts = [i for i in (text.find(m) for m in KEPT_MARKERS) if i >= 0]
+    return text[min(starts):] if starts else None
+
+
 def splice_decode(text: str, section: str) -> str:
     """text with its decode section replaced by `section` (appended if it has none)."""
     old = decode_section(text)
@@ -911,8 +923,8 @@ def main() -> int:
     print(results_table(rows))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
-        kept = decode_section(output.read_text()) if output.is_file() else None
-        output.write_text(report if kept is None else splice_decode(report, kept))
+        kept = kept_tail(output.read_text()) if output.is_file() else None
+        output.write_text(report if kept is None else report.rstrip("\n") + "\n\n" + kept)
         log(f"bench_suite: wrote {output}")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps({"peaks": peaks, "rows": rows, "torch": torch_version},

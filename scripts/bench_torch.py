@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output", type=Path, default=ROOT / "docs" / "PERFORMANCE.md",
+                    help="the report whose Inside PyTorch section is written (default: "
+                         "docs/PERFORMANCE.md; docs/PERFORMANCE-amd-epyc.md on the AMD machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     seqs, layers = ([128], 2) if args.quick else ([512, 2048], 12)
@@ -126,7 +129,7 @@ def main() -> int:
     if args.quick:
         print(section)
         return 0
-    doc = ROOT / "docs" / "PERFORMANCE.md"
+    doc = args.output
     text = doc.read_text()
     if BEGIN in text:
         text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
