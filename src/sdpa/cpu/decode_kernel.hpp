@@ -52,41 +52,33 @@ inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
   return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + Ep * Rp + kDecodeChunk * Ep;
 }
 
-inline float hsum(vf x) {
+// x's lanes combined by `op` (on vectors and on floats) in a halving tree: lanes l and l + W/2,
+// then l + W/4, and so on. hsum4 and hsum16 add in the same order.
+template <typename Op>
+inline float reduce_lanes(vf x, Op op) {
 #if ATTN_SIMD_WIDTH == 16
   using v8 = float __attribute__((vector_size(32)));
-  const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 a = op(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+                  __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
 #elif ATTN_SIMD_WIDTH == 8
   const vf a = x;
 #endif
 #if ATTN_SIMD_WIDTH >= 8
   using v4 = float __attribute__((vector_size(16)));
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-#else
-  return (x[0] + x[2]) + (x[1] + x[3]);
-#endif
-}
-
-// The largest lane, with hsum's shuffles (no lane may be NaN: the caller tests first).
-inline float hmax(vf x) {
-#if ATTN_SIMD_WIDTH == 16
-  using v8 = float __attribute__((vector_size(32)));
-  const v8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v8 a = lo > hi ? lo : hi;
-#elif ATTN_SIMD_WIDTH == 8
-  const vf a = x;
-#endif
-#if ATTN_SIMD_WIDTH >= 8
-  using v4 = float __attribute__((vector_size(16)));
-  const v4 l4 = __builtin_shufflevector(a, a, 0, 1, 2, 3), h4 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  const v4 b = l4 > h4 ? l4 : h4;
+  const v4 b = op(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
 #else
   const vf b = x;
 #endif
-  const float m0 = b[0] > b[2] ? b[0] : b[2], m1 = b[1] > b[3] ? b[1] : b[3];
-  return m0 > m1 ? m0 : m1;
+  return op(op(b[0], b[2]), op(b[1], b[3]));
+}
+
+inline float hsum(vf x) {
+  return reduce_lanes(x, [](auto a, auto b) { return a + b; });
+}
+
+// The largest lane (no lane may be NaN: the caller tests first).
+inline float hmax(vf x) {
+  return reduce_lanes(x, [](auto a, auto b) { return a > b ? a : b; });
 }
 
 inline float half_to_float(uint16_t h) {
