@@ -185,16 +185,23 @@ inline void pack_block_transposed(const float* x, int64_t ld, int64_t n, int64_t
   }
 }
 
-// S^T[jj][lane] = sum_e k[j0 + jj][e] * qt[e][lane] for jj in [0, nk).
-// E is summed in chunks of kEChunk whose partial sums are added into st: one long FMA chain
-// over E = 128 loses up to ~6x the accuracy of BLAS's blocked sums on large scores, which the
-// softmax then amplifies; chunking keeps the error at the reference's level for ~3 % more work.
+// S^T[jj][lane] = scale * sum_e k[j0 + jj][e] * qt[e][lane] for jj in [0, nk).
+// E is summed in chunks of kEChunk whose partial sums are then added: one long FMA chain over
+// E = 128 loses up to ~6x the accuracy of BLAS's blocked sums on large scores, which the
+// softmax then amplifies; chunking keeps the error at the reference's level. The running totals
+// stay in registers beside the chunk's accumulators (a tile of kJTSum keys then fills the
+// register file); kept in st and re-read per chunk they cost ~20 % of the scores' time at E = 64.
+// The scale (times log2 e) is applied to each finished score, once, as the reference does:
+// folding it into Q instead rounds every product q_e * k_e, an error that grows with the sum of
+// |q_e k_e| rather than with the score.
 constexpr int64_t kEChunk = 16;
+constexpr int kJTSum = W >= 16 ? 7 : 3;  // keys per tile when E spans several chunks
 
+// acc[t][h] = sum over e in [e0, e1) of kr[t][e] * qt[e][h half], from zero.
 template <int JT>
-inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t e0, int64_t e1,
-                        bool first, float* st) {
-  vf acc[JT][2] = {};
+inline void chunk_sums(const float* qt, const float* kr, int64_t k_row, int64_t e0, int64_t e1,
+                       vf (&acc)[JT][2]) {
+  for (int t = 0; t < JT; ++t) acc[t][0] = acc[t][1] = vf{};
   for (int64_t e = e0; e < e1; ++e) {
     const vf q0 = load(qt + e * kBQ), q1 = load(qt + e * kBQ + W);
     for (int t = 0; t < JT; ++t) {
@@ -203,29 +210,42 @@ inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t
       acc[t][1] += kb * q1;
     }
   }
-  for (int t = 0; t < JT; ++t) {
-    for (int h = 0; h < 2; ++h) {
-      float* dst = st + t * kBQ + h * W;
-      store(dst, first ? acc[t][h] : load(dst) + acc[t][h]);
+}
+
+template <int JT>
+inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t E, int64_t chunk,
+                        float scale, float* st) {
+  vf tot[JT][2];
+  chunk_sums<JT>(qt, kr, k_row, 0, imin(chunk, E), tot);
+  for (int64_t e0 = chunk; e0 < E; e0 += chunk) {
+    vf acc[JT][2];
+    chunk_sums<JT>(qt, kr, k_row, e0, imin(e0 + chunk, E), acc);
+    for (int t = 0; t < JT; ++t) {
+      tot[t][0] += acc[t][0];
+      tot[t][1] += acc[t][1];
     }
+  }
+  for (int t = 0; t < JT; ++t) {
+    store(st + t * kBQ, tot[t][0] * scale);
+    store(st + t * kBQ + W, tot[t][1] * scale);
   }
 }
 
-// Then the scale (times log2 e) is applied to each finished score, once, as the reference does:
-// folding it into Q instead rounds every product q_e * k_e, an error that grows with the sum of
-// |q_e k_e| rather than with the score.
+template <int JT>
+inline void scores_tiles(const float* qt, const float* k, int64_t k_row, int64_t E, int64_t nk,
+                         int64_t chunk, float scale, float* st) {
+  int64_t jj = 0;
+  for (; jj + JT <= nk; jj += JT) scores_tile<JT>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
+  for (; jj < nk; ++jj) scores_tile<1>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
+}
+
 inline void scores_block(const float* qt, const float* k, int64_t k_row, int64_t E, int64_t j0,
                          int64_t nk, float scale_log2, float* st, int64_t chunk = kEChunk) {
-  for (int64_t e0 = 0; e0 < E; e0 += chunk) {
-    const int64_t e1 = imin(e0 + chunk, E);
-    int64_t jj = 0;
-    for (; jj + kJT <= nk; jj += kJT) {
-      scores_tile<kJT>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
-    }
-    for (; jj < nk; ++jj) scores_tile<1>(qt, k + (j0 + jj) * k_row, k_row, e0, e1, e0 == 0, st + jj * kBQ);
+  if (E <= chunk) {
+    scores_tiles<kJT>(qt, k + j0 * k_row, k_row, E, nk, chunk, scale_log2, st);
+  } else {
+    scores_tiles<kJTSum>(qt, k + j0 * k_row, k_row, E, nk, chunk, scale_log2, st);
   }
-  if (scale_log2 == 1.0f) return;
-  for (int64_t i = 0; i < nk * kBQ; i += W) store(st + i, load(st + i) * scale_log2);
 }
 
 // The variants on S^T (base-2 scaled scores), in place and in FlashAttention's order: softcap
