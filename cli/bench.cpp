@@ -447,6 +447,7 @@ BenchResult run_bench(const BenchConfig& c) {
   Tensor dout;
   if (c.backward) {
     options.need_lse = true;
+    options.need_output_residual = !c.no_residual;
     saved = scaled_dot_product_attention(q, ks.front(), vs.front(), options);
     dout = randn(saved.output.shape(), gen).to(dtype);
   }

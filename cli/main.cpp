@@ -163,6 +163,10 @@ int run(int argc, char** argv) {
   bench->add_flag("--backward", bench_config.backward,
                   "Time the backward pass (dQ, dK, dV) instead of the forward; FLOPs counted as 2.5x "
                   "the forward's, as FlashAttention does");
+  bench->add_flag("--no-residual", bench_config.no_residual,
+                  "With --backward and 16-bit inputs: save no output_residual in the forward (by default "
+                  "it is saved, as attn.torch and the modules do), so the backward re-derives the float32 "
+                  "output");
   bench->add_flag("--json", bench_config.json, "Print one JSON object instead of the table");
   bench->add_flag("--peak-only", bench_config.peak_only,
                   "Only measure the FMA, BF16 dot and AMX tile peaks (where present) and the memory read bandwidth on "

@@ -117,6 +117,14 @@ struct SdpaOptions {
   bool enable_gqa = false;            // key/value may have H_kv heads, H_q a multiple of H_kv
   bool need_weights = false;          // also return the (post-dropout) attention weights
   bool need_lse = false;              // also return the per-row log-sum-exp of the scaled scores
+  // bf16/fp16 calls: also return output_residual, the float32 output's rounding error in the
+  // dtype, for a backward that must not re-derive it (see SdpaResult). Ignored for float32 and
+  // float64 calls, whose output is exact in its dtype. The decode kernels decline it (inference),
+  // varlen_attn returns it, attn::dist refuses it. Training sets it: the forward then costs more
+  // (cpu.flash.avx512_bf16 enters P into P.V as two bf16 terms: ~1.3x its time; its output,
+  // computed from the more exact P, may differ from the call without in the last bit) and the
+  // backward less (docs/NUMERICS.md).
+  bool need_output_residual = false;
   DropoutRng dropout_rng = DropoutRng::kTorch;
   Generator* generator = nullptr;     // kTorch draws; nullptr = default_generator()
   uint64_t dropout_seed = 0;          // kPhilox key
@@ -177,6 +185,13 @@ struct SdpaResult {
   Tensor lse;           // (..., L) when need_lse: log(sum_j exp(score_ij)) of the scaled,
                         // masked scores (dropout does not change it), -inf for a row with
                         // every key masked; else undefined
+  // (..., L, Ev) in the output's dtype when need_output_residual and the dtype is bf16 or fp16:
+  // the float32 output the kernel computed minus `output`, rounded to the dtype (0 where the
+  // output is not finite), so output + output_residual carries 16 significant bits (bf16; fp16:
+  // 22). The backward's D = rowsum(dO * O) needs the float32 output: with this saved it reads
+  // it instead of recomputing it (one forward pass, or two of the low-precision backward's
+  // products per score). Memory: one more 16-bit copy of the output. Else undefined.
+  Tensor output_residual;
 };
 
 SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorView& key,
@@ -187,13 +202,17 @@ SdpaResult scaled_dot_product_attention(const TensorView& query, const TensorVie
 // keeps its own tensors (attn.torch's saved output and LSE) passes views of them instead, with
 // no copy. Views: whatever they view must outlive the backward call (never bind one to a
 // temporary SdpaResult, e.g. `SdpaSaved s = scaled_dot_product_attention(...)` dangles).
+//
+// output_residual (optional, 16-bit calls): the forward's SdpaResult::output_residual. With it the
+// backward takes D from output + output_residual and skips re-deriving the float32 output;
+// without it the gradients are the same up to float32 rounding, at that extra cost.
 struct SdpaSaved {
-  TensorView output, lse, attn_weights;
+  TensorView output, lse, attn_weights, output_residual;
   SdpaSaved() = default;
   SdpaSaved(const SdpaResult& r)  // NOLINT(google-explicit-constructor): a forward's result is one
-      : output(r.output), lse(r.lse), attn_weights(r.attn_weights) {}
-  SdpaSaved(TensorView out, TensorView log_sum_exp, TensorView weights = {})
-      : output(out), lse(log_sum_exp), attn_weights(weights) {}
+      : output(r.output), lse(r.lse), attn_weights(r.attn_weights), output_residual(r.output_residual) {}
+  SdpaSaved(TensorView out, TensorView log_sum_exp, TensorView weights = {}, TensorView residual = {})
+      : output(out), lse(log_sum_exp), attn_weights(weights), output_residual(residual) {}
 };
 
 // ---- backward ------------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ def _grad_fakes(query, key, value, sinks):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), ds
 
 
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -101,14 +104,17 @@ def _sdpa_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Te
              dropout_p: float, is_causal: bool, bottom_right: bool, scale: Optional[float],
              enable_gqa: bool, window_left: int, window_right: int, softcap: Optional[float],
              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng: Tensor, kernel: str,
-             need_weights: bool) -> Tuple[Tensor, Tensor, Tensor]:
+             need_weights: bool, need_residual: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     with torch.profiler.record_function("attn.sdpa_forward"):  # named on every path, eager included
-        out, lse, w = _attn._torch_sdpa_forward(
+        out, lse, w, res = _attn._torch_sdpa_forward(
             query.detach(), key.detach(), value.detach(), _detach(attn_mask),
             _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
-                     window_right, softcap, alibi_slopes, sinks, rng, kernel), need_weights)
+                     window_right, softcap, alibi_slopes, sinks, rng, kernel), need_weights,
+            need_residual)
     _count("sdpa_forward")
-    return out, lse, (w if w is not None else query.new_empty(0))
+    # Two distinct empties: a custom op's outputs may not alias each other.
+    return (out, lse, w if w is not None else query.new_empty(0),
+            res if res is not None else query.new_empty(0))
 
 
 _sdpa_op = torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="cpu")(_sdpa_impl)
@@ -117,16 +123,18 @@ _sdpa_op = torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="
 @_sdpa_op.register_fake
 def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale,
                enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel,
-               need_weights):
+               need_weights, need_residual):
     lead = query.shape[:-1]
     out = query.new_empty((*lead, value.shape[-1]))
     lse = query.new_empty(lead, dtype=_lse_dtype(query.dtype))
     w = query.new_empty((*lead, key.shape[-2])) if need_weights else query.new_empty(0)
-    return out, lse, w
+    res = query.new_empty(out.shape) if need_residual and query.dtype in _SIXTEEN_BIT else query.new_empty(0)
+    return out, lse, w, res
 
 
 def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: Tensor,
-                      output: Tensor, lse: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                      output: Tensor, lse: Tensor, residual: Tensor,
+                      attn_mask: Optional[Tensor], dropout_p: float,
                       is_causal: bool, bottom_right: bool, scale: Optional[float],
                       enable_gqa: bool, window_left: int, window_right: int,
                       softcap: Optional[float], alibi_slopes: Optional[Tensor],
@@ -135,7 +143,7 @@ def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: 
     with torch.profiler.record_function("attn.sdpa_backward"):
         dq, dk, dv, ds = _attn._torch_sdpa_backward(
             grad_output.detach(), query.detach(), key.detach(), value.detach(), output.detach(),
-            lse.detach(), _detach(attn_mask),
+            lse.detach(), residual.detach() if residual.numel() > 0 else None, _detach(attn_mask),
             _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                      window_right, softcap, alibi_slopes, sinks, rng, kernel))
     _count("sdpa_backward")
@@ -148,7 +156,7 @@ _sdpa_backward_op = torch.library.custom_op("attn::sdpa_backward", mutates_args=
 
 
 @_sdpa_backward_op.register_fake
-def _sdpa_backward_fake(grad_output, query, key, value, output, lse, attn_mask, dropout_p,
+def _sdpa_backward_fake(grad_output, query, key, value, output, lse, residual, attn_mask, dropout_p,
                         is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
                         softcap, alibi_slopes, sinks, rng, kernel):
     return _grad_fakes(query, key, value, sinks)
@@ -160,27 +168,27 @@ def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
 
 def _sdpa_setup(ctx, inputs, output):
     (query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale, enable_gqa,
-     window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, _) = inputs
-    out, lse, w = output
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, alibi_slopes, sinks, rng)
+     window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, _, _) = inputs
+    out, lse, w, res = output
+    ctx.save_for_backward(query, key, value, out, lse, res, attn_mask, alibi_slopes, sinks, rng)
     ctx.options = (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                    window_right, softcap)
     ctx.kernel = kernel
-    ctx.mark_non_differentiable(lse, w)
+    ctx.mark_non_differentiable(lse, w, res)
 
 
 def _sdpa_grads(ctx, grad_out, backward):
-    query, key, value, out, lse, attn_mask, alibi_slopes, sinks, rng = ctx.saved_tensors
+    query, key, value, out, lse, res, attn_mask, alibi_slopes, sinks, rng = ctx.saved_tensors
     (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
      softcap) = ctx.options
-    dq, dk, dv, ds = backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p,
+    dq, dk, dv, ds = backward(grad_out, query, key, value, out, lse, res, attn_mask, dropout_p,
                               is_causal, bottom_right, scale, enable_gqa, window_left,
                               window_right, softcap, alibi_slopes, sinks, rng, ctx.kernel)
     return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
-            ds if sinks is not None else None, None, None, None)
+            ds if sinks is not None else None, None, None, None, None)
 
 
-def _sdpa_grad(ctx, grad_out, _grad_lse, _grad_w):
+def _sdpa_grad(ctx, grad_out, _grad_lse, _grad_w, _grad_res):
     return _sdpa_grads(ctx, grad_out, _sdpa_backward_op)
 
 
@@ -200,18 +208,22 @@ class _SdpaEager(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_lse, _grad_w):
+    def backward(ctx, grad_out, _grad_lse, _grad_w, _grad_res):
         return _sdpa_grads(ctx, grad_out, _sdpa_backward_impl)
 
 
 def _call_sdpa(args):
     """The custom op while torch.compile traces or for tensor subclasses (fake, functional
-    tensors...); the same implementation directly otherwise."""
+    tensors...); the same implementation directly otherwise. A call that will need a backward
+    in bf16/fp16 also returns the output's float32 residual (attn's need_output_residual),
+    which the backward reads instead of re-deriving the float32 output."""
     query, key, value, sinks = args[0], args[1], args[2], args[13]
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (query, key, value, sinks))
+    args = (*args, grad and query.dtype in _SIXTEEN_BIT)
     if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in (query, key, value)):
         return _sdpa_op(*args)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (query, key, value, sinks)):
+    if grad:
         return _SdpaEager.apply(*args)
     return _sdpa_impl(*args)
 
@@ -388,7 +400,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     alibi_slopes, sinks = _head_params(alibi_slopes, sinks)
     left, right = _window(window_size)
     bottom_right = _alignment(causal_alignment)
-    out, lse, w = _call_sdpa((query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+    out, lse, w, _ = _call_sdpa((query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                               bottom_right, None if scale is None else float(scale),
                               bool(enable_gqa), left, right,
                               None if softcap is None else float(softcap), alibi_slopes, sinks,

@@ -86,37 +86,41 @@ Qkv qkv(nb::handle query, nb::handle key, nb::handle value) {
 
 nb::object maybe_torch(Tensor&& t) { return t.defined() ? to_torch(std::move(t)) : nb::none(); }
 
-// (output, lse, weights or None)
+// (output, lse, weights or None, output_residual or None)
 nb::tuple sdpa_forward(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask,
-                       const nb::tuple& options, bool need_weights) {
+                       const nb::tuple& options, bool need_weights, bool need_residual) {
   const Qkv in = qkv(query, key, value);
   OptionInputs keep;
   SdpaOptions opt = make_options(keep, attn_mask, options);
   opt.need_lse = true;  // the backward reads it
   opt.need_weights = need_weights;
+  opt.need_output_residual = need_residual;
   SdpaResult r;
   {
     nb::gil_scoped_release release;
     r = scaled_dot_product_attention(in.q.view, in.k.view, in.v.view, opt);
   }
   return nb::make_tuple(to_torch(std::move(r.output)), to_torch(std::move(r.lse)),
-                        maybe_torch(std::move(r.attn_weights)));
+                        maybe_torch(std::move(r.attn_weights)), maybe_torch(std::move(r.output_residual)));
 }
 
 // (grad_query, grad_key, grad_value, grad_sinks or None)
 nb::tuple sdpa_backward(nb::handle grad_output, nb::handle query, nb::handle key, nb::handle value,
-                        nb::handle output, nb::handle lse, nb::handle attn_mask,
-                        const nb::tuple& options) {
+                        nb::handle output, nb::handle lse, nb::handle residual,
+                        nb::handle attn_mask, const nb::tuple& options) {
   const Qkv in = qkv(query, key, value);
   const Input dout = sdpa_input(grad_output, "grad_output", false);
   OptionInputs keep;
   const SdpaOptions opt = make_options(keep, attn_mask, options);
   const Input saved_out = sdpa_input(output, "output", false), saved_lse = sdpa_input(lse, "lse", false);
+  std::optional<Input> saved_res;
+  if (!residual.is_none()) saved_res = sdpa_input(residual, "output_residual", false);
   SdpaGrads g;
   {
     nb::gil_scoped_release release;
-    g = scaled_dot_product_attention_backward(dout.view, in.q.view, in.k.view, in.v.view,
-                                              SdpaSaved(saved_out.view, saved_lse.view), opt);
+    g = scaled_dot_product_attention_backward(
+        dout.view, in.q.view, in.k.view, in.v.view,
+        SdpaSaved(saved_out.view, saved_lse.view, {}, saved_res ? saved_res->view : TensorView()), opt);
   }
   return nb::make_tuple(to_torch(std::move(g.grad_query)), to_torch(std::move(g.grad_key)),
                         to_torch(std::move(g.grad_value)), maybe_torch(std::move(g.grad_sinks)));
@@ -176,10 +180,10 @@ void bind_torch_ops(nb::module_& m) {
   m.def("_input_addresses", &input_addresses,
         "(address the kernels read, copied?) for each tensor argument: the zero-copy test's probe.");
   m.def("_torch_sdpa_forward", &sdpa_forward, "query"_a, "key"_a, "value"_a, "attn_mask"_a.none(),
-        "options"_a, "need_weights"_a,
-        "attn.torch's forward: (output, lse, weights or None) as torch tensors.");
+        "options"_a, "need_weights"_a, "need_residual"_a,
+        "attn.torch's forward: (output, lse, weights or None, output_residual or None) as torch tensors.");
   m.def("_torch_sdpa_backward", &sdpa_backward, "grad_output"_a, "query"_a, "key"_a, "value"_a,
-        "output"_a, "lse"_a, "attn_mask"_a.none(), "options"_a,
+        "output"_a, "lse"_a, "residual"_a.none(), "attn_mask"_a.none(), "options"_a,
         "attn.torch's backward: (grad_query, grad_key, grad_value, grad_sinks or None).");
   m.def("_torch_varlen_forward", &varlen_forward, "query"_a, "key"_a, "value"_a, "cu_seq_q"_a,
         "cu_seq_k"_a, "max_q"_a, "max_k"_a, "options"_a,

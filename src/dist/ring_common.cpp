@@ -40,6 +40,7 @@ SdpaOptions block_options(const SdpaOptions& o, const Piece& q, const Piece& k) 
   b.sinks.reset();
   b.need_lse = true;
   b.need_weights = false;
+  b.need_output_residual = false;
   b.causal_alignment = CausalAlignment::kTopLeft;
   b.query_pos_offset = q.begin;
   b.key_pos_offset = k.begin;
@@ -82,6 +83,10 @@ Agreement check_ring_args(const TensorView& q, const TensorView& k, const Tensor
                                  "is_causal, window_size or alibi_slopes", who));
   }
   if (o.need_weights) throw ValueError(fmt::format("{}: need_weights is not supported (the L x L weights are what context parallelism avoids)", who));
+  if (o.need_output_residual) {
+    throw ValueError(fmt::format("{}: need_output_residual is not supported (the merged output's residual is "
+                                 "not formed; the backward re-derives D per block)", who));
+  }
   if (o.dropout_p > 0.0f && o.dropout_rng != DropoutRng::kPhilox) {
     throw ValueError(fmt::format("{}: dropout needs dropout_rng = DropoutRng::kPhilox (keyed by global position; "
                                  "kTorch's stream depends on the call's layout), got kTorch", who));

@@ -54,10 +54,12 @@ SdpaOptions causal_options(const Dropout& dropout, bool training,
   return o;
 }
 
-// What the backward needs from scaled_dot_product_attention: the lse, and with PyTorch-stream
+// What the backward needs from scaled_dot_product_attention: the lse, for 16-bit inputs the
+// output's float32 residual (the backward then need not re-derive it), and with PyTorch-stream
 // dropout the post-dropout weights (that mask cannot be drawn again).
 SdpaOptions for_backward(SdpaOptions o) {
   o.need_lse = true;
+  o.need_output_residual = true;
   if (o.dropout_p > 0.0f && o.dropout_rng == DropoutRng::kTorch) o.need_weights = true;
   return o;
 }

@@ -316,6 +316,20 @@ void check_sdpa_backward(const TensorView& grad_output, const SdpaSaved& forward
         "inputs' dtype {}, got grad_output {}, forward.output {}", dtype_name(p.dtype),
         dtype_name(grad_output.dtype()), dtype_name(forward.output.dtype())));
   }
+  if (forward.output_residual.defined()) {
+    if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
+      throw ValueError(fmt::format(
+          "scaled_dot_product_attention_backward: forward.output_residual is for bfloat16 and "
+          "float16 calls (their output's rounding error), got one for a {} call: leave it undefined",
+          dtype_name(p.dtype)));
+    }
+    require_shape(forward.output_residual, out, "forward.output_residual", "");
+    if (forward.output_residual.dtype() != p.dtype) {
+      throw DTypeError(fmt::format("scaled_dot_product_attention_backward: forward.output_residual "
+                                   "must have the output's dtype {}, got {}", dtype_name(p.dtype),
+                                   dtype_name(forward.output_residual.dtype())));
+    }
+  }
   const DType lse_dtype = p.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   if (forward.lse.dtype() != lse_dtype) {
     throw DTypeError(fmt::format("scaled_dot_product_attention_backward: forward.lse must be {} "

@@ -37,6 +37,28 @@ using BackwardFn = SdpaGrads (*)(const TensorView&, const TensorView&, const Ten
                                  const TensorView&, const SdpaSaved&, const SdpaOptions&,
                                  const SdpaProblem&);
 
+// SdpaResult::output_residual of a float32 output out32 rounded to out (contiguous, same shape):
+// (out32 - out) in out's dtype, 0 where out is not finite.
+Tensor output_residual(const Tensor& out32, const Tensor& out) {
+  Tensor diff = Tensor::empty(out.shape());
+  const Tensor wide = out.to(DType::kFloat32);
+  const float *a = out32.data(), *b = wide.data();
+  float* d = diff.data();
+  for (int64_t i = 0; i < diff.numel(); ++i) d[i] = std::isfinite(b[i]) ? a[i] - b[i] : 0.0f;
+  return diff.to(out.dtype());
+}
+
+// output + output_residual in float32: the forward's float32 output to 16 (bf16) or 22 (fp16)
+// significant bits.
+Tensor output_from_residual(const SdpaSaved& forward) {
+  Tensor o = forward.output.to(DType::kFloat32);
+  const Tensor r = forward.output_residual.to(DType::kFloat32);
+  float* d = o.data();
+  const float* e = r.data();
+  for (int64_t i = 0; i < o.numel(); ++i) d[i] += e[i];
+  return o;
+}
+
 // bfloat16 / float16 inputs on a float32 kernel: widened once (exactly), computed in float32,
 // and the outputs rounded to the input dtype once; the LSE stays float32. This is PyTorch's
 // contract for low-precision SDPA (float32 accumulation and softmax, output in the input dtype),
@@ -49,7 +71,9 @@ SdpaResult widening_forward(const TensorView& q, const TensorView& k, const Tens
   SdpaProblem p32 = p;
   p32.dtype = p32.kv_dtype = DType::kFloat32;
   SdpaResult r = F32(q.to(DType::kFloat32), k.to(DType::kFloat32), v.to(DType::kFloat32), options, p32);
-  r.output = r.output.to(p.dtype);
+  Tensor out = r.output.to(p.dtype);
+  if (options.need_output_residual) r.output_residual = output_residual(r.output, out);
+  r.output = std::move(out);
   if (r.attn_weights.defined()) r.attn_weights = r.attn_weights.to(p.dtype);
   return r;
 }
@@ -86,7 +110,9 @@ SdpaGrads widening_backward(const TensorView& dout, const TensorView& q, const T
   p32.dtype = p32.kv_dtype = DType::kFloat32;
   const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
   Tensor out32, w32;
-  if (FwdF32 != nullptr) {
+  if (FwdF32 != nullptr && forward.output_residual.defined()) {
+    out32 = output_from_residual(forward);  // the whole call's, also for a slice of the keys
+  } else if (FwdF32 != nullptr) {
     SdpaOptions fo = options;
     fo.need_weights = false;
     fo.need_lse = true;
@@ -190,6 +216,9 @@ std::string decode_why_not(const SdpaKernel&, const SdpaProblem& p, const SdpaOp
   }
   if (options.need_weights) return "need_weights is served by the cpu.flash kernels";
   if (options.dropout_p > 0.0f) return "dropout is served by the cpu.flash kernels (decoding is inference)";
+  if (options.need_output_residual && (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16)) {
+    return "need_output_residual (for a backward) is served by the cpu.flash kernels (decoding is inference)";
+  }
   return "";
 }
 
@@ -258,9 +287,10 @@ const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p) {
 // bf16 gradients on vdpbf16ps (flash_bwd_avx512_bf16.cpp) where every input is bf16 and finite;
 // fp16, float32 at reduced precision and NaN/Inf go to the float32 AVX-512 kernel, widened.
 // The native backward does 10 vdpbf16ps products per (query, key) pair's 5 (two terms for P and
-// dS, two more for D) against the widened path's 5 FMA products plus a recomputed forward (2):
-// where vdpbf16ps does under kBf16BackwardMinSpeedup x the FMA multiply-adds (Intel Sapphire
-// Rapids: 0.50x; AMD Zen 5: 2.0x) the widened path is the faster one, and kAuto takes it. The
+// dS, two more for D) against the widened path's 5 FMA products plus a recomputed forward (2);
+// with the forward's output_residual saved, 8 against 5 (neither re-derives D): where vdpbf16ps
+// does under kBf16BackwardMinSpeedup x the FMA multiply-adds (Intel Sapphire Rapids: 0.50x; AMD
+// Zen 5: 2.0x) the widened path is the faster one, and kAuto takes it. The
 // AVX512-BF16 kernel forced by name runs its own backward wherever the CPU has the unit.
 constexpr double kBf16BackwardMinSpeedup = 1.5;
 
@@ -282,6 +312,11 @@ SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorVi
                         const SdpaOptions& options, const SdpaProblem& p) {
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   if (!tiles_take_values(q, k, v, p, threads)) return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
+  // The AMX bf16 table rounds P to one bf16 term: its float32 output is not the float32
+  // attention's, which output_residual must carry.
+  if (options.need_output_residual && p.dtype != DType::kFloat32 && !Table(p).residual_ok) {
+    return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
+  }
   return cpu::flash_forward_bf16(Table(p), q, k, v, options, p);
 }
 #endif

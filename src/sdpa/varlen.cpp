@@ -317,6 +317,17 @@ void check_backward(const TensorView& grad_output, const SdpaSaved& forward, con
                                    dtype_name(a.dtype), dtype_name(a.t->dtype())));
     }
   }
+  const TensorView& res = forward.output_residual;
+  if (!res.defined()) return;
+  if (q.dtype() != DType::kBFloat16 && q.dtype() != DType::kFloat16) {
+    throw ValueError(fmt::format("{}: forward.output_residual is for bfloat16 and float16 calls, got "
+                                 "one for a {} call: leave it undefined", kBackward, dtype_name(q.dtype())));
+  }
+  if (!(res.shape() == out) || res.dtype() != q.dtype()) {
+    throw ShapeError(fmt::format("{}: forward.output_residual must be {} of shape {} (the forward's), got {} {}",
+                                 kBackward, dtype_name(q.dtype()), out.str(), dtype_name(res.dtype()),
+                                 res.shape().str()));
+  }
 }
 
 }  // namespace
@@ -328,8 +339,13 @@ SdpaResult varlen_attn(const TensorView& query, const TensorView& key, const Ten
   SdpaResult result;
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   result.output = Tensor::empty({plan.total_q, plan.H, plan.Ev}, query.dtype());
+  const bool residual = options.need_output_residual &&
+                        (query.dtype() == DType::kBFloat16 || query.dtype() == DType::kFloat16);
+  if (residual) result.output_residual = Tensor::empty(result.output.shape(), query.dtype());
   for (size_t i = 0; i < plan.seqs.size(); ++i) {  // rows no kernel writes: sequences without keys
-    if (plan.kernels[i] == nullptr) zero_rows(result.output, plan.seqs[i].q0, plan.seqs[i].L);
+    if (plan.kernels[i] != nullptr) continue;
+    zero_rows(result.output, plan.seqs[i].q0, plan.seqs[i].L);
+    if (residual) zero_rows(result.output_residual, plan.seqs[i].q0, plan.seqs[i].L);
   }
   if (options.need_lse) {
     result.lse = Tensor::empty({plan.H, plan.total_q}, lse_dtype(query.dtype()));
@@ -346,6 +362,7 @@ SdpaResult varlen_attn(const TensorView& query, const TensorView& key, const Ten
     const SdpaResult r = plan.kernels[i]->forward(sequence_view(query, s.q0, s.L), sequence_view(key, s.k0, s.S),
                                                   sequence_view(value, s.k0, s.S), options, plan.problems[i]);
     scatter_rows(r.output, result.output, s.q0, threads);
+    if (residual) scatter_rows(r.output_residual, result.output_residual, s.q0, threads);
     if (options.need_lse) scatter_lse(r.lse, result.lse, s.q0);
   }
   return result;
@@ -382,6 +399,7 @@ SdpaGrads varlen_attn_backward(const TensorView& grad_output, const TensorView& 
     // is gathered.
     SdpaSaved fwd;
     fwd.output = sequence_view(forward.output, s.q0, s.L);
+    if (forward.output_residual.defined()) fwd.output_residual = sequence_view(forward.output_residual, s.q0, s.L);
     Tensor lse = forward.lse.slice(1, s.q0, s.q0 + s.L).unsqueeze(0).contiguous();
     fwd.lse = lse;
     const SdpaGrads sg = plan.kernels[i]->backward(

@@ -343,7 +343,8 @@ double err(double x, double t) {
 // (the gradient of |O|^2 / 2): nothing throws, bf16 gradients of the inputs' shapes, 1 and 2
 // threads agree bit for bit, and where the problem is moderate each gradient's error against
 // the float64 truth is at most twice the widened reference's (rounded to bf16) plus a floor of
-// 4 bf16 units of (1 + the gradient's largest magnitude).
+// 4 bf16 units of (1 + the gradient's largest magnitude). The forward saves output_residual (as
+// training does; the decode kernels decline it), and the backward runs with it and without it.
 void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& ko,
                          bool moderate, const std::string& desc) {
   auto must_not_throw = [&](const char* what, auto&& f) {
@@ -355,12 +356,17 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
   };
   SdpaOptions bo = ko;
   bo.need_lse = true;
+  bo.need_output_residual = !ko.kernel.starts_with("cpu.decode.");
   SdpaResult f;
   must_not_throw("16-bit forward for the backward", [&] { f = scaled_dot_product_attention(q, k, v, bo); });
+  ATTN_FUZZ_CHECKF(f.output_residual.defined() == bo.need_output_residual, "'%s': output_residual %s; %s",
+                   ko.kernel.c_str(), f.output_residual.defined() ? "unasked" : "missing", desc.c_str());
   const Tensor& dout = f.output;
-  SdpaGrads g1, g2;
+  const SdpaSaved without(f.output, f.lse, f.attn_weights);
+  SdpaGrads g1, g2, g0;
   bo.num_threads = 1;
   must_not_throw("bf16 backward", [&] { g1 = scaled_dot_product_attention_backward(dout, q, k, v, f, bo); });
+  must_not_throw("bf16 backward without output_residual", [&] { g0 = scaled_dot_product_attention_backward(dout, q, k, v, without, bo); });
   bo.num_threads = 2;
   must_not_throw("bf16 backward (2 threads)", [&] { g2 = scaled_dot_product_attention_backward(dout, q, k, v, f, bo); });
   const std::pair<const Tensor*, const Tensor*> pairs[] = {{&g1.grad_query, &q}, {&g1.grad_key, &k}, {&g1.grad_value, &v}};
@@ -372,7 +378,7 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
                        same_bits(g1.grad_value, g2.grad_value),
                    "bf16 backward '%s' differs between 1 and 2 threads; %s", ko.kernel.c_str(), desc.c_str());
   if (!moderate) return;
-  for (const Tensor* t : {&g1.grad_query, &g1.grad_key, &g1.grad_value}) {
+  for (const Tensor* t : {&g1.grad_query, &g1.grad_key, &g1.grad_value, &g0.grad_query, &g0.grad_key, &g0.grad_value}) {
     for (float x : t->to_vector()) if (!std::isfinite(x)) return;  // overflow of a moderate problem's gradient
   }
   SdpaOptions ro = ko;
@@ -390,7 +396,10 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
   const std::tuple<const Tensor*, const Tensor*, const std::vector<double>*, const char*> sets[] = {
       {&g1.grad_query, &rg.grad_query, &truth.grad_query, "dq"},
       {&g1.grad_key, &rg.grad_key, &truth.grad_key, "dk"},
-      {&g1.grad_value, &rg.grad_value, &truth.grad_value, "dv"}};
+      {&g1.grad_value, &rg.grad_value, &truth.grad_value, "dv"},
+      {&g0.grad_query, &rg.grad_query, &truth.grad_query, "dq (no output_residual)"},
+      {&g0.grad_key, &rg.grad_key, &truth.grad_key, "dk (no output_residual)"},
+      {&g0.grad_value, &rg.grad_value, &truth.grad_value, "dv (no output_residual)"}};
   for (const auto& [got, ref, t, what] : sets) {
     const std::vector<float> a = got->to_vector(), r = ref->to(DType::kBFloat16).to_vector();
     double e = 0, er = 0, gmax = 0;

@@ -119,12 +119,19 @@ TEST_P(LowPrecision, BackwardErrorWithinTwiceTheRoundedFloat32Reference) {
     const double eq = max_abs_err(rg.grad_query.to(dtype), truth.grad_query);
     const double ek = max_abs_err(rg.grad_key.to(dtype), truth.grad_key);
     const double ev = max_abs_err(rg.grad_value.to(dtype), truth.grad_value);
-    for (const std::string& kernel : kernels_for(dtype)) {
+    // Each kernel twice: D re-derived by the backward, and D from the forward's output_residual.
+    for (const std::string& kernel : kernels_for(dtype)) for (bool residual : {false, true}) {
       SdpaOptions o = in.options;
       o.kernel = kernel;
       o.need_lse = true;
+      o.need_output_residual = residual;
       if (test::decode_refuses(kernel, r.q, r.k, r.v, o)) continue;
       const SdpaResult f = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      ASSERT_EQ(f.output_residual.defined(), residual) << kernel;
+      if (residual) {
+        ASSERT_EQ(f.output_residual.dtype(), dtype) << kernel;
+        ASSERT_TRUE(f.output_residual.shape() == f.output.shape()) << kernel;
+      }
       SdpaGrads g;
       try {
         g = scaled_dot_product_attention_backward(dlow, r.q, r.k, r.v, f, o);
@@ -136,7 +143,8 @@ TEST_P(LowPrecision, BackwardErrorWithinTwiceTheRoundedFloat32Reference) {
       }
       ASSERT_EQ(g.grad_query.dtype(), dtype);
       ASSERT_EQ(g.grad_key.dtype(), dtype);
-      const std::string what = describe(c) + " " + std::string(dtype_name(dtype)) + " kernel " + kernel;
+      const std::string what = describe(c) + " " + std::string(dtype_name(dtype)) + " kernel " + kernel +
+                               (residual ? " with output_residual" : "");
       EXPECT_LE(max_abs_err(g.grad_query, truth.grad_query), 2.0 * eq + 1e-4) << what << " dq";
       EXPECT_LE(max_abs_err(g.grad_key, truth.grad_key), 2.0 * ek + 1e-4) << what << " dk";
       EXPECT_LE(max_abs_err(g.grad_value, truth.grad_value), 2.0 * ev + 1e-4) << what << " dv";
@@ -171,6 +179,53 @@ TEST_P(LowPrecision, SameBitsForOneAndTwoThreads) {
       EXPECT_EQ(g1.grad_query.to_vector(), g2.grad_query.to_vector()) << describe(c) << " " << kernel << " dq";
       EXPECT_EQ(g1.grad_key.to_vector(), g2.grad_key.to_vector()) << describe(c) << " " << kernel << " dk";
       EXPECT_EQ(g1.grad_value.to_vector(), g2.grad_value.to_vector()) << describe(c) << " " << kernel << " dv";
+      // The same with the backward's D read from the forward's output_residual.
+      o.need_output_residual = true;
+      o.num_threads = 1;
+      const SdpaResult r1 = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      const SdpaGrads h1 = scaled_dot_product_attention_backward(dout, r.q, r.k, r.v, r1, o);
+      o.num_threads = 2;
+      const SdpaResult r2 = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      const SdpaGrads h2 = scaled_dot_product_attention_backward(dout, r.q, r.k, r.v, r1, o);
+      EXPECT_EQ(r1.output.to_vector(), r2.output.to_vector()) << describe(c) << " " << kernel << " residual";
+      EXPECT_EQ(r1.output_residual.to_vector(), r2.output_residual.to_vector()) << describe(c) << " " << kernel;
+      EXPECT_EQ(h1.grad_query.to_vector(), h2.grad_query.to_vector()) << describe(c) << " " << kernel << " residual dq";
+      EXPECT_EQ(h1.grad_key.to_vector(), h2.grad_key.to_vector()) << describe(c) << " " << kernel << " residual dk";
+      EXPECT_EQ(h1.grad_value.to_vector(), h2.grad_value.to_vector()) << describe(c) << " " << kernel << " residual dv";
+    }
+  }
+}
+
+// SdpaResult::output_residual: the rounding error of the output, at most half a unit in its last
+// place, and output + residual the float32 attention (far closer to the float64 truth than the
+// rounded output: bf16 keeps 8 significant bits, hi + lo 16).
+TEST_P(LowPrecision, OutputResidualCarriesTheFloat32Output) {
+  const Case c = GetParam();
+  const Inputs in = make_inputs(c, 14);
+  for (DType dtype : kLowDtypes) {
+    const LowInputs r = round_inputs(in, dtype);
+    SdpaOptions ref = in.options;
+    ref.backend = SdpaBackend::kReference;
+    const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(r.q32, r.k32, r.v32, ref);
+    const double half_ulp = dtype == DType::kBFloat16 ? 0x1p-8 : 0x1p-11;
+    for (const std::string& kernel : kernels_for(dtype)) {
+      SdpaOptions o = in.options;
+      o.kernel = kernel;
+      o.need_output_residual = true;
+      if (test::decode_refuses(kernel, r.q, r.k, r.v, o)) continue;
+      const SdpaResult f = scaled_dot_product_attention(r.q, r.k, r.v, o);
+      const std::string what = describe(c) + " " + std::string(dtype_name(dtype)) + " kernel " + kernel;
+      ASSERT_TRUE(f.output_residual.defined()) << what;
+      ASSERT_EQ(f.output_residual.dtype(), dtype) << what;
+      ASSERT_TRUE(f.output_residual.shape() == f.output.shape()) << what;
+      const std::vector<double> out = f.output.to_double_vector(), res = f.output_residual.to_double_vector();
+      Tensor sum = Tensor::empty(f.output.shape());
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_LE(std::fabs(res[i]), half_ulp * std::fabs(out[i]) + 1e-7) << what << " at " << i << ": output " << out[i];
+        sum.data()[i] = static_cast<float>(out[i] + res[i]);
+      }
+      const double err_out = max_abs_err(f.output, truth.output), err_sum = max_abs_err(sum, truth.output);
+      EXPECT_LE(err_sum, err_out / 64 + 1e-6) << what << " (rounded output's error " << err_out << ")";
     }
   }
 }
@@ -220,11 +275,13 @@ TEST(LowPrecisionSlices, BackwardOverKeySlicesSumsToTheWholeCall) {
   const std::pair<int64_t, int64_t> q_slices[] = {{0, 33}, {33, N}}, k_slices[] = {{0, 40}, {40, N}};
   for (const std::string& kernel : kernels_for(DType::kBFloat16)) {
     if (kernel.starts_with("cpu.decode.")) continue;
-    for (bool causal : {false, true}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool causal = variant % 2 != 0, with_residual = variant >= 2;
       SdpaOptions whole;
       whole.kernel = kernel;
       whole.is_causal = causal;
       whole.need_lse = true;
+      whole.need_output_residual = with_residual;
       const SdpaResult fwd = scaled_dot_product_attention(q, k, v, whole);
       const SdpaGrads want = scaled_dot_product_attention_backward(dout, q, k, v, fwd, whole);
       std::vector<float> dq(static_cast<size_t>(H * N * E)), dk(dq.size()), dv(dq.size());
@@ -234,7 +291,8 @@ TEST(LowPrecisionSlices, BackwardOverKeySlicesSumsToTheWholeCall) {
           SdpaOptions o = whole;
           o.query_pos_offset = q0;
           o.key_pos_offset = k0;
-          const SdpaSaved saved(fwd.output.slice(2, q0, q1), fwd.lse.slice(2, q0, q1));
+          const SdpaSaved saved(fwd.output.slice(2, q0, q1), fwd.lse.slice(2, q0, q1), {},
+                                with_residual ? TensorView(fwd.output_residual.slice(2, q0, q1)) : TensorView());
           const SdpaGrads g = scaled_dot_product_attention_backward(
               dout.slice(2, q0, q1), q.slice(2, q0, q1), k.slice(2, k0, k1), v.slice(2, k0, k1), saved, o);
           const std::vector<float> gq = g.grad_query.to_vector(), gk = g.grad_key.to_vector(), gv = g.grad_value.to_vector();
@@ -266,7 +324,7 @@ TEST(LowPrecisionSlices, BackwardOverKeySlicesSumsToTheWholeCall) {
         const std::vector<float> b = ref.to_vector();
         for (size_t i = 0; i < b.size(); ++i) {
           ASSERT_NEAR((*got)[i], b[i], 0x1p-6 * ((*mag)[i] + std::fabs(b[i])) + 1e-3)
-              << kernel << " causal " << causal << " at " << i;
+              << kernel << " causal " << causal << " residual " << with_residual << " at " << i;
         }
       }
     }
@@ -286,6 +344,69 @@ TEST(LowPrecisionErrors, MixedDtypesNameBothArguments) {
     EXPECT_NE(m.find("key"), std::string::npos) << m;
     EXPECT_NE(m.find("bfloat16"), std::string::npos) << m;
     EXPECT_NE(m.find("float32"), std::string::npos) << m;
+  }
+}
+
+// A saved output_residual must be the forward's: the output's shape and dtype, from a 16-bit call.
+TEST(LowPrecisionErrors, OutputResidualMustMatchTheOutput) {
+  manual_seed(4);
+  const Tensor q = randn({1, 2, 9, 8}).to(DType::kBFloat16), k = randn({1, 2, 11, 8}).to(DType::kBFloat16),
+               v = randn({1, 2, 11, 8}).to(DType::kBFloat16), dout = randn({1, 2, 9, 8}).to(DType::kBFloat16);
+  SdpaOptions o;
+  o.need_lse = true;
+  o.need_output_residual = true;
+  const SdpaResult f = scaled_dot_product_attention(q, k, v, o);
+  ASSERT_TRUE(f.output_residual.defined());
+  auto message_of = [&](const SdpaSaved& saved, const TensorView& qq, const TensorView& kk, const TensorView& vv,
+                        const TensorView& dd) -> std::string {
+    try {
+      (void)scaled_dot_product_attention_backward(dd, qq, kk, vv, saved, o);
+    } catch (const ShapeError& e) {
+      return std::string("ShapeError: ") + e.what();
+    } catch (const DTypeError& e) {
+      return std::string("DTypeError: ") + e.what();
+    } catch (const ValueError& e) {
+      return std::string("ValueError: ") + e.what();
+    }
+    return "accepted";
+  };
+  const Tensor short_res = f.output_residual.slice(2, 0, 8).contiguous();
+  std::string m = message_of(SdpaSaved(f.output, f.lse, {}, short_res), q, k, v, dout);
+  EXPECT_NE(m.find("ShapeError"), std::string::npos) << m;
+  EXPECT_NE(m.find("forward.output_residual"), std::string::npos) << m;
+  const Tensor half_res = f.output_residual.to(DType::kFloat16);
+  m = message_of(SdpaSaved(f.output, f.lse, {}, half_res), q, k, v, dout);
+  EXPECT_NE(m.find("DTypeError"), std::string::npos) << m;
+  EXPECT_NE(m.find("forward.output_residual"), std::string::npos) << m;
+  // A float32 call's output is exact: a residual given with it is a mistake, named.
+  const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
+  const SdpaResult f32 = scaled_dot_product_attention(q32, k32, v32, o);
+  EXPECT_FALSE(f32.output_residual.defined());
+  m = message_of(SdpaSaved(f32.output, f32.lse, {}, f.output_residual), q32, k32, v32, dout.to(DType::kFloat32));
+  EXPECT_NE(m.find("ValueError"), std::string::npos) << m;
+  EXPECT_NE(m.find("forward.output_residual"), std::string::npos) << m;
+  // The right one is taken.
+  EXPECT_EQ(message_of(f, q, k, v, dout), "accepted");
+}
+
+// The decode kernels compute inference only: forced with need_output_residual they say why; kAuto
+// then takes a flash kernel, which returns it.
+TEST(LowPrecisionErrors, DecodeKernelsDeclineTheOutputResidual) {
+  manual_seed(6);
+  const Tensor q = randn({1, 4, 1, 16}).to(DType::kBFloat16), k = randn({1, 4, 40, 16}).to(DType::kBFloat16),
+               v = randn({1, 4, 40, 16}).to(DType::kBFloat16);
+  SdpaOptions o;
+  o.need_output_residual = true;
+  EXPECT_TRUE(scaled_dot_product_attention(q, k, v, o).output_residual.defined());
+  for (const SdpaKernelInfo& info : sdpa_kernels()) {
+    if (!info.name.starts_with("cpu.decode.") || !info.runs_on_this_cpu) continue;
+    o.kernel = info.name;
+    try {
+      (void)scaled_dot_product_attention(q, k, v, o);
+      ADD_FAILURE() << info.name << " accepted need_output_residual";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("need_output_residual"), std::string::npos) << e.what();
+    }
   }
 }
 

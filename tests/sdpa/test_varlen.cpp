@@ -132,6 +132,8 @@ void check_per_sequence(const Packed& p, SdpaOptions o, const std::string& what)
   ASSERT_EQ(vg.grad_key.shape(), p.k.shape()) << what;
   ASSERT_EQ(vg.grad_value.shape(), p.v.shape()) << what;
   ASSERT_EQ(vg.grad_sinks.defined(), o.sinks.has_value()) << what;
+  const bool residual = o.need_output_residual && (p.q.dtype() == DType::kBFloat16 || p.q.dtype() == DType::kFloat16);
+  ASSERT_EQ(vr.output_residual.defined(), residual) << what;
   std::vector<double> dsinks(static_cast<size_t>(p.pk.H), 0.0);
   for (int64_t n = 0; n < p.N(); ++n) {
     const size_t i = static_cast<size_t>(n);
@@ -144,6 +146,7 @@ void check_per_sequence(const Packed& p, SdpaOptions o, const std::string& what)
       const SdpaResult r = scaled_dot_product_attention(qn, kn, vn, o);
       const SdpaGrads g = scaled_dot_product_attention_backward(dn, qn, kn, vn, r, o);
       expect_close(seq_view(vr.output, q0, L), r.output, 0, at + " output");
+      if (residual) expect_close(seq_view(vr.output_residual, q0, L), r.output_residual, 0, at + " output_residual");
       expect_close(lse_view(vr.lse, q0, L), r.lse, 0, at + " lse");
       expect_close(seq_view(vg.grad_query, q0, L), g.grad_query, 0, at + " grad_query");
       expect_close(seq_view(vg.grad_key, k0, S), g.grad_key, 0, at + " grad_key");
@@ -155,6 +158,7 @@ void check_per_sequence(const Packed& p, SdpaOptions o, const std::string& what)
     } else {
       // No keys: output 0, LSE -inf or the sink, dQ 0. No queries: dK, dV 0.
       expect_all(seq_view(vr.output, q0, L), 0.0, at + " output");
+      if (residual) expect_all(seq_view(vr.output_residual, q0, L), 0.0, at + " output_residual");
       expect_all(seq_view(vg.grad_query, q0, L), 0.0, at + " grad_query");
       expect_all(seq_view(vg.grad_key, k0, S), 0.0, at + " grad_key");
       expect_all(seq_view(vg.grad_value, k0, S), 0.0, at + " grad_value");
@@ -270,11 +274,15 @@ TEST(Varlen, LowPrecisionInputs) {
     p.v = p.v.to(dt);
     p.dout = p.dout.to(dt);
     for (const std::string& kernel : {std::string(), std::string("reference")}) {
-      SdpaOptions o;
-      o.kernel = kernel;
-      o.enable_gqa = true;
-      o.is_causal = true;
-      check_per_sequence(p, o, std::string(dtype_name(dt)) + " kernel '" + kernel + "'");
+      for (bool residual : {false, true}) {  // the backward's D re-derived, or read from output_residual
+        SdpaOptions o;
+        o.kernel = kernel;
+        o.enable_gqa = true;
+        o.is_causal = true;
+        o.need_output_residual = residual;
+        check_per_sequence(p, o, std::string(dtype_name(dt)) + " kernel '" + kernel + "'" +
+                                     (residual ? " with output_residual" : ""));
+      }
     }
   }
 }

@@ -48,6 +48,14 @@ inline uint16_t round_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// x minus its bf16 rounding r (the float32 value SdpaResult::output_residual rounds), 0 in lanes
+// where r is Inf or NaN.
+inline __m512 residual_of(__m512 x, __m256bh r) {
+  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)r), 16));
+  const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(hi, 0x99));  // NaN, +-Inf
+  return _mm512_maskz_sub_ps(finite, x, hi);
+}
+
 // The pair (row[2*i], row[2*i+1]) as one 32-bit lane; an odd tail keeps only row[2*i] (the
 // element past the row is neither read nor multiplied: it could be NaN or out of bounds).
 inline uint32_t pair_at(const uint16_t* row, int64_t i, int64_t n) {

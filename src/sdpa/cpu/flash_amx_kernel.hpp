@@ -378,6 +378,9 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   }
   t.release();
 
+  auto to_16 = [](__m512 x) {
+    return In == Src::kBf16 ? to_bf16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  };
   for (int64_t q = 0; q < b.nq; ++q) {
     const __m512 inv = _mm512_set1_ps(l[q] > 0.0f ? 1.0f / l[q] : 0.0f);
     const float* row = ob + q * evp;  // evp columns: the last vector's load stays in the row
@@ -386,10 +389,14 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
       if constexpr (In == Src::kFp32) {
         _mm512_mask_storeu_ps(static_cast<float*>(b.o) + q * p.o_row + c, first_lanes(p.Ev - c), x);
       } else {
-        const __m256i h = In == Src::kBf16  // NaN stays NaN in both conversions
-                              ? to_bf16(x)
-                              : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i h = to_16(x);  // NaN stays NaN in both conversions
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(b.o) + q * p.o_row + c, first_lanes(p.Ev - c), h);
+        if (b.o_lo != nullptr) {  // SdpaResult::output_residual: x - h, 0 where h is Inf or NaN
+          const __m512 hi = In == Src::kBf16 ? from_bf16(h) : _mm512_cvtph_ps(h);
+          const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(hi, 0x99));
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(b.o_lo) + q * p.o_row + c, first_lanes(p.Ev - c),
+                                   to_16(_mm512_maskz_sub_ps(finite, x, hi)));
+        }
       }
     }
     if (b.lse != nullptr) {  // base 2, as the float32 kernel's
@@ -404,7 +411,8 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
 template <class Tiles, Src In, int T>
 const Bf16ForwardKernel& kernel_table() {
   static const Bf16ForwardKernel k{kBQ, workspace_bytes<T>, packed_k_words<T>, pack_k<In, T>,
-                                   packed_v_words<T>, pack_v<In, T>, forward_block<Tiles, In, T>};
+                                   packed_v_words<T>, pack_v<In, T>, forward_block<Tiles, In, T>,
+                                   /*residual_ok=*/T >= 2};  // bf16's one term of P is not
   return k;
 }
 

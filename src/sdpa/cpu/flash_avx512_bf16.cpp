@@ -22,7 +22,9 @@
 // Numerics: products of two bf16 are exact in float32; vdpbf16ps treats bf16 subnormals as zero
 // (values below 1.2e-38, far under any attention input's resolution). P is rounded to bf16
 // before P.V (as PyTorch's and FlashAttention's bf16 kernels do); the row sums use the float32
-// P. The registry keeps problems whose V holds NaN/Inf away from this kernel (a dropped or
+// P. With SdpaOptions::need_output_residual P enters as two terms (16 significant bits), so that
+// output + output_residual is the float32 attention's output: from the one-term output the
+// backward's D = rowsum(dO * O) measured up to 2.1x the rule's dQ error (E = 1). The registry keeps problems whose V holds NaN/Inf away from this kernel (a dropped or
 // masked weight of 0 times Inf would be NaN here), and the float32 kernel takes them widened.
 #include <immintrin.h>
 
@@ -40,7 +42,7 @@ namespace {
 
 int64_t workspace_bytes(int64_t E, int64_t Ev) {
   const int64_t evp = (Ev + 15) / 16 * 16, e2 = (E + 1) / 2;
-  return 4 * (e2 * kBQ + kBK * kBQ + kBK / 2 * kBQ + kBQ * evp);
+  return 4 * (e2 * kBQ + kBK * kBQ + kBK * kBQ + kBQ * evp);  // qt2, st, pp and pp2, ob
 }
 
 int64_t packed_v_words(int64_t S, int64_t Ev) { return (S + 1) / 2 * ((Ev + 15) / 16 * 16); }
@@ -52,7 +54,11 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   auto* qt2 = static_cast<uint32_t*>(workspace);
   auto* st = reinterpret_cast<float*>(qt2 + e2n * kBQ);
   auto* pp = reinterpret_cast<uint32_t*>(st + kBK * kBQ);
-  auto* ob = reinterpret_cast<float*>(pp + kBK / 2 * kBQ);
+  auto* pp2 = pp + kBK / 2 * kBQ;  // P^T - bf16(P^T) likewise, when two_terms
+  auto* ob = reinterpret_cast<float*>(pp2 + kBK / 2 * kBQ);
+  // With output_residual asked, the float32 output must be that of float32 P (the backward takes
+  // D = rowsum(dO * O) from it): P enters P.V as two bf16 terms, hi + lo, one more product.
+  const bool two_terms = b.o_lo != nullptr;
 
   for (int64_t e2 = 0; e2 < e2n; ++e2) {
     for (int64_t q = 0; q < kBQ; ++q) qt2[e2 * kBQ + q] = q < b.nq ? pair_at(bq + q * p.q_row, e2, p.E) : 0u;
@@ -109,13 +115,17 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
     if (nk % 2 != 0) std::memset(st + nk * kBQ, 0, kBQ * sizeof(float));
     for (int64_t j2 = 0; j2 < nk2; ++j2) {
       for (int h = 0; h < 2; ++h) {
-        const __m512i pr = pair_rows(_mm512_loadu_ps(st + 2 * j2 * kBQ + h * 16),
-                                     _mm512_loadu_ps(st + (2 * j2 + 1) * kBQ + h * 16));
-        _mm512_storeu_si512(pp + j2 * kBQ + h * 16, pr);
+        const __m512 even = _mm512_loadu_ps(st + 2 * j2 * kBQ + h * 16);
+        const __m512 odd = _mm512_loadu_ps(st + (2 * j2 + 1) * kBQ + h * 16);
+        _mm512_storeu_si512(pp + j2 * kBQ + h * 16, pair_rows(even, odd));
+        if (two_terms) {
+          _mm512_storeu_si512(pp2 + j2 * kBQ + h * 16, pair_rows(residual_of(even, _mm512_cvtneps_pbh(even)),
+                                                                 residual_of(odd, _mm512_cvtneps_pbh(odd))));
+        }
       }
     }
     // ob (32 x Evp) += P (32 x nk, as key pairs) @ V rows (nk x Evp)
-    pairs_update(pp, 1, kBQ, b.vp + j0 / 2 * evp, evp, nk2, kBQ, evp, ob, evp);
+    pairs_update(pp, 1, kBQ, b.vp + j0 / 2 * evp, evp, nk2, kBQ, evp, ob, evp, two_terms ? pp2 : nullptr);
   }
 
   alignas(64) float lv[kBQ], mv[kBQ];
@@ -126,15 +136,26 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   for (int64_t q = 0; q < b.nq; ++q) {
     const float inv = lv[q] > 0.0f ? 1.0f / lv[q] : 0.0f;
     uint16_t* out = static_cast<uint16_t*>(b.o) + q * p.o_row;
+    uint16_t* lo = b.o_lo != nullptr ? static_cast<uint16_t*>(b.o_lo) + q * p.o_row : nullptr;
     const float* row = ob + q * evp;
     int64_t c = 0;
     for (; c + 16 <= p.Ev; c += 16) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(inv)));
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(inv));
+      const __m256bh r = _mm512_cvtneps_pbh(x);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)r);
+      if (lo != nullptr) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), (__m256i)_mm512_cvtneps_pbh(residual_of(x, r)));
+      }
     }
     for (; c < p.Ev; ++c) {
       const float x = row[c] * inv;
       out[c] = x != x ? uint16_t{0x7fc0} : round_bf16(x);  // a NaN row stays NaN
+      if (lo != nullptr) {
+        const uint32_t bits = static_cast<uint32_t>(out[c]) << 16;
+        float hi;
+        std::memcpy(&hi, &bits, sizeof hi);
+        lo[c] = __builtin_isfinite(hi) ? round_bf16(x - hi) : uint16_t{0};
+      }
     }
     if (b.lse != nullptr) {  // base 2, as the float32 kernel's
       b.lse[q] = lv[q] > 0.0f ? mv[q] + __builtin_log2f(lv[q]) : kNegInf;
@@ -150,7 +171,7 @@ namespace attn::cpu {
 const Bf16ForwardKernel& bf16_kernel_avx512() {
   using namespace avx512_bf16;
   static const Bf16ForwardKernel k{kBQ, workspace_bytes, nullptr, nullptr, packed_v_words, pack_pairs,
-                                   forward_block};
+                                   forward_block, /*residual_ok=*/true};
   return k;
 }
 }  // namespace attn::cpu

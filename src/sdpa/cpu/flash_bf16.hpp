@@ -21,6 +21,7 @@ struct FlashBlock16 {
   const uint32_t* kp;  // K of this head in the kernel's layout (Bf16ForwardKernel::pack_k)
   const uint32_t* vp;  // V of this head in the kernel's layout (Bf16ForwardKernel::pack_v)
   void* o;             // first output row of the block
+  void* o_lo;          // its rows of SdpaResult::output_residual (16-bit outputs), or nullptr
   float* lse;          // base-2 LSE of the block's rows, or nullptr
   const float* mask;   // the (i0, 0) element of this head's mask, or nullptr
   int64_t i0, nq;      // first query index and number of queries
@@ -37,6 +38,10 @@ struct Bf16ForwardKernel {
   int64_t (*packed_v_words)(int64_t S, int64_t Ev);
   void (*pack_v)(const void* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t* out);
   void (*forward_block)(const FlashParams& p, const FlashBlock16& b, void* workspace);
+  // Whether the float32 output it computes when FlashBlock16::o_lo is set is the float32
+  // attention's (P.V with P to 16 or more bits), which SdpaResult::output_residual must carry;
+  // the registry sends a call asking for the residual elsewhere when not.
+  bool residual_ok;
 };
 
 // The AVX512-BF16 (vdpbf16ps) kernel: built with -mavx512{f,vl,dq,bw,bf16} -mfma.
@@ -51,8 +56,9 @@ const Bf16ForwardKernel& fp32_medium_kernel_amx();
 
 // The low-precision backward (flash_bwd_avx512_bf16.cpp; driver flash_backward_bf16 in
 // flash_bwd.cpp): FlashBwdHead's q, k, v, dout in the kernel's dtype, gradients accumulated in
-// float32. D = rowsum(dO * O) comes from row_dots (sum_j P_ij dP_ij over the keys the call sees),
-// run over every query block before any backward item.
+// float32. D = rowsum(dO * O) comes from the forward's output_residual (O + residual) where the
+// caller saved it, else from row_dots (sum_j P_ij dP_ij over the keys the call sees), run over
+// every query block before any backward item.
 struct Bf16BackwardKernel {
   int64_t block_q;  // rows per row_dots call (nq <= block_q)
   int64_t (*row_dots_workspace_bytes)(int64_t E, int64_t Ev);

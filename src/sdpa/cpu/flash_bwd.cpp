@@ -170,8 +170,26 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
   return g;
 }
 
-// The bf16 backward: D of every row first (row_dots, parallel over query blocks), then the items
-// as above on float32 gradient buffers, rounded to bf16 once. A row whose probability mass over
+// sum_e g[e] * (o[e] + lo[e]) over bf16 rows in float32, in 16 interleaved partial sums (a fixed
+// order, so deterministic, and vectorisable where one running sum is a chain of dependent adds).
+static float dot_with_residual(const uint16_t* g, const uint16_t* o, const uint16_t* lo, int64_t n) {
+  constexpr int kLanes = 16;
+  float part[kLanes] = {};
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      part[l] += bf16_to_float({g[e + l]}) * (bf16_to_float({o[e + l]}) + bf16_to_float({lo[e + l]}));
+    }
+  }
+  for (; e < n; ++e) part[e % kLanes] += bf16_to_float({g[e]}) * (bf16_to_float({o[e]}) + bf16_to_float({lo[e]}));
+  float s = 0.0f;
+  for (float x : part) s += x;
+  return s;
+}
+
+// The bf16 backward: D of every row first (from the forward's output_residual where saved, else
+// row_dots, parallel over query blocks), then the items as above on float32 gradient buffers,
+// rounded to bf16 once. A row whose probability mass over
 // the call's keys is not 1 (a call on a slice of the keys: context parallelism, whose saved LSE is
 // the whole row's) takes D from the saved output instead, as the float32 kernels always do.
 SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView& dout_in,
@@ -203,32 +221,46 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
 
   const int64_t bq = kernel.block_q, nqb = (p.L + bq - 1) / bq;
   const int dthreads = std::max<int>(1, std::min<int64_t>(cores, p.batch * nqb));
+  if (forward.output_residual.defined()) {
+    // D = rowsum(dO * (O + residual)): the forward's float32 output, no pass over the keys.
+    Tensor rs;
+    const TensorView res = rows_contiguous(forward.output_residual, rs);
+#pragma omp parallel for num_threads(dthreads) schedule(static)
+    for (int64_t row = 0; row < p.batch * p.L; ++row) {
+      const int64_t b = row / p.L, i = row % p.L;
+      dd[static_cast<size_t>(row)] = dot_with_residual(
+          bits(dout, detail::lead_offset(dout, p.lead, b) + i * dout.stride(-2)),
+          bits(out, detail::lead_offset(out, p.lead, b) + i * out.stride(-2)),
+          bits(res, detail::lead_offset(res, p.lead, b) + i * res.stride(-2)), p.Ev);
+    }
+  } else {
 #pragma omp parallel num_threads(dthreads)
-  {
-    const FlushDenormals ftz;
-    std::vector<float> ws(static_cast<size_t>((kernel.row_dots_workspace_bytes(p.E, p.Ev) + 3) / 4));
-    std::vector<float> mass(static_cast<size_t>(bq));
+    {
+      const FlushDenormals ftz;
+      std::vector<float> ws(static_cast<size_t>((kernel.row_dots_workspace_bytes(p.E, p.Ev) + 3) / 4));
+      std::vector<float> mass(static_cast<size_t>(bq));
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t it = 0; it < p.batch * nqb; ++it) {
-      const int64_t b = it / nqb, i0 = it % nqb * bq, nq = std::min(bq, p.L - i0);
-      const FlashBwdHead h = fill(b);
-      float* d = dd.data() + b * p.L + i0;
-      kernel.row_dots(fp, h, i0, nq, d, mass.data(), ws.data());
-      for (int64_t r = 0; r < nq; ++r) {
-        const float l = h.lse[i0 + r];
-        const float tol = 64.0f * std::numeric_limits<float>::epsilon() * std::max(1.0f, std::fabs(l));
-        const float m = mass[static_cast<size_t>(r)];
-        if (std::isinf(l) || std::fabs(m - 1.0f) <= tol) {
-          // Normalised by the mass the kernel's own P carries: sum_j dS_ij = 0, and a row of one
-          // key gets D = dP (P = 1 - a few ulps otherwise leaves dQ a few ulps off its exact 0).
-          if (m > 0.0f) d[r] /= m;
-          continue;
+      for (int64_t it = 0; it < p.batch * nqb; ++it) {
+        const int64_t b = it / nqb, i0 = it % nqb * bq, nq = std::min(bq, p.L - i0);
+        const FlashBwdHead h = fill(b);
+        float* d = dd.data() + b * p.L + i0;
+        kernel.row_dots(fp, h, i0, nq, d, mass.data(), ws.data());
+        for (int64_t r = 0; r < nq; ++r) {
+          const float l = h.lse[i0 + r];
+          const float tol = 64.0f * std::numeric_limits<float>::epsilon() * std::max(1.0f, std::fabs(l));
+          const float m = mass[static_cast<size_t>(r)];
+          if (std::isinf(l) || std::fabs(m - 1.0f) <= tol) {
+            // Normalised by the mass the kernel's own P carries: sum_j dS_ij = 0, and a row of one
+            // key gets D = dP (P = 1 - a few ulps otherwise leaves dQ a few ulps off its exact 0).
+            if (m > 0.0f) d[r] /= m;
+            continue;
+          }
+          const uint16_t* o = bits(out, detail::lead_offset(out, p.lead, b) + (i0 + r) * out.stride(-2));
+          const uint16_t* g = static_cast<const uint16_t*>(h.dout) + (i0 + r) * h.do_row;
+          float s = 0.0f;
+          for (int64_t e = 0; e < p.Ev; ++e) s += bf16_to_float({g[e]}) * bf16_to_float({o[e]});
+          d[r] = s;
         }
-        const uint16_t* o = bits(out, detail::lead_offset(out, p.lead, b) + (i0 + r) * out.stride(-2));
-        const uint16_t* g = static_cast<const uint16_t*>(h.dout) + (i0 + r) * h.do_row;
-        float s = 0.0f;
-        for (int64_t e = 0; e < p.Ev; ++e) s += bf16_to_float({g[e]}) * bf16_to_float({o[e]});
-        d[r] = s;
       }
     }
   }

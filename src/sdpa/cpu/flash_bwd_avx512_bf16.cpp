@@ -6,10 +6,10 @@
 // with all of them.
 //
 // D = rowsum(dO * O) must be the float32 one (D from the bf16-rounded output breaks the error bound
-// of docs/NUMERICS.md: measured, 2-4x the rounded float32 reference's dQ error): row_dots computes
-// it before the key loop as D_i = sum_j P_ij dP_ij over the row's keys, the same two products
-// (Q K^T, dO V^T) the loop does, so the whole backward is 7 products instead of the float32
-// kernel's 5 plus a float32 forward recompute.
+// of docs/NUMERICS.md: measured, 2-4x the rounded float32 reference's dQ error). Given the
+// forward's output_residual the driver forms it from O + residual; else row_dots computes it
+// before the key loop as D_i = sum_j P_ij dP_ij over the row's keys, the same two products
+// (Q K^T, dO V^T) the loop does: 7 products then, 5 with the residual.
 //
 // Shapes, for one query head of L queries (blocks of BQ = 32) against one key range, walked in
 // groups of 4 key blocks of BK = 64:

@@ -11,6 +11,7 @@
 
 #include <omp.h>
 
+#include "attn/error.hpp"
 #include "sdpa/cpu/flush_denormals.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/flash_inputs.hpp"
@@ -61,6 +62,12 @@ SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q
   const auto* vd = static_cast<const char*>(v.raw_data());
   auto* const out = static_cast<char*>(result.output.raw_data());
   float* const lse = options.need_lse ? result.lse.data() : nullptr;
+  char* residual = nullptr;
+  if (options.need_output_residual && p.dtype != DType::kFloat32) {
+    if (!kern.residual_ok) throw ValueError("flash_forward_bf16: this kernel table cannot form output_residual");
+    result.output_residual = Tensor::empty(result.output.shape(), p.dtype);
+    residual = static_cast<char*>(result.output_residual.raw_data());
+  }
 
   // K and V of every key/value head in the kernel's layout, once, before any query block reads
   // them.
@@ -97,6 +104,7 @@ SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q
       blk.vp = vpacked.data() + kvh * vwords;
       blk.kp = kwords > 0 ? kpacked.data() + kvh * kwords : nullptr;
       blk.o = out + (b * p.L + i0) * p.Ev * es;
+      blk.o_lo = residual != nullptr ? residual + (b * p.L + i0) * p.Ev * es : nullptr;
       blk.lse = lse != nullptr ? lse + b * p.L + i0 : nullptr;
       if (p.mask.defined()) blk.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i0 * fp.mask_row;
       kern.forward_block(fp, blk, ws.data());

@@ -149,8 +149,11 @@ def test_compile_fullgraph_forward_and_backward():
 def test_opcheck_passes():
     q, k, v, _, _ = make(CASES[1], torch.float32)
     args = (q, k, v, None, 0.0, False, False, None, False, -1, -1, None, None, None,
-            torch.zeros(2, dtype=torch.int64), "", False)
+            torch.zeros(2, dtype=torch.int64), "", False, False)
     torch.library.opcheck(torch.ops.attn.sdpa.default, args)
+    # bf16 with the output residual a backward reads (the fourth output).
+    qh, kh, vh = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.attn.sdpa.default, (qh, kh, vh, *args[3:-1], True))
 
 
 def test_contiguous_and_strided_inputs_are_read_in_place():
@@ -270,7 +273,7 @@ def test_eager_path_equals_the_custom_op_forward_and_backward():
     sinks = torch.tensor([0.5, -0.5], requires_grad=True)
     out = at.scaled_dot_product_attention(q, k, v, mask, sinks=sinks, **kw)
     args = (q, k, v, mask, 0.0, False, False, None, False, -1, -1, None, None, sinks,
-            torch.zeros(2, dtype=torch.int64), "", False)
+            torch.zeros(2, dtype=torch.int64), "", False, False)
     op_out = torch.ops.attn.sdpa(*args)[0]
     assert torch.equal(out, op_out)
     g = torch.randn_like(out)
@@ -296,10 +299,11 @@ def test_compiled_backward_on_the_hugging_face_layout_matches_eager():
     got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(qkv), qkv, g)[0]
     assert torch.equal(got, want)
     q = torch.randn(1, 2, 5, 8).transpose(2, 3).contiguous().transpose(2, 3)  # strided
-    out, lse, _ = torch.ops.attn.sdpa(q, q, q, None, 0.0, False, False, None, False, -1, -1, None,
-                                      None, None, torch.zeros(2, dtype=torch.int64), "", False)
+    out, lse, _, res = torch.ops.attn.sdpa(q, q, q, None, 0.0, False, False, None, False, -1, -1,
+                                           None, None, None, torch.zeros(2, dtype=torch.int64), "",
+                                           False, False)
     torch.library.opcheck(torch.ops.attn.sdpa_backward.default,
-                          (torch.randn_like(out), q, q, q, out, lse, None, 0.0, False, False, None,
+                          (torch.randn_like(out), q, q, q, out, lse, res, None, 0.0, False, False, None,
                            False, -1, -1, None, None, None, torch.zeros(2, dtype=torch.int64), ""))
 
 
@@ -316,3 +320,33 @@ def test_sixteen_bit_sinks_get_their_gradient_and_slopes_that_require_grad_are_r
     (gq,) = torch.autograd.grad(o.sum(), qf, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable|does not require grad"):
         gq.sum().backward()  # no silent second derivative
+
+
+def test_sixteen_bit_training_saves_the_output_residual():
+    # A bf16 call that needs a backward also returns the output's float32 residual (attn's
+    # need_output_residual): output + residual is the float32 attention, and the backward reads it
+    # instead of re-deriving the float32 output. Both backward paths meet the accuracy rule.
+    q, k, v, _, kw = make(CASES[2], torch.bfloat16)
+    rng = torch.zeros(2, dtype=torch.int64)
+    head = (q, k, v, None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "")
+    out, lse, _, res = torch.ops.attn.sdpa(*head, False, True)
+    assert res.dtype == torch.bfloat16 and res.shape == out.shape
+    assert torch.ops.attn.sdpa(*head, False, False)[3].numel() == 0
+    truth = reference(q, k, v, None, **kw)
+    assert max_err(out.float() + res.float(), truth) <= max_err(out, truth) / 16
+    g = torch.randn(out.shape).bfloat16()
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    true_grads = torch.autograd.grad(truth, (q, k, v), g.double())
+    tail = (None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "")
+    for saved in (res, res.new_empty(0)):
+        grads = torch.ops.attn.sdpa_backward(g, q, k, v, out, lse, saved, *tail)[:3]
+        for name, a, r, t in zip("qkv", grads, ref_grads, true_grads):
+            scale = max(1.0, t.abs().max().item())
+            assert max_err(a, t) <= 2 * max_err(r, t) + FLOOR[torch.bfloat16] * scale, f"grad {name}"
+    # The eager training path saves it: its gradients are the residual path's, bit for bit.
+    eager = torch.autograd.grad(at.scaled_dot_product_attention(q, k, v, **kw), (q, k, v), g)
+    with_res = torch.ops.attn.sdpa_backward(g, q, k, v, out, lse, res, *tail)[:3]
+    for a, b in zip(eager, with_res):
+        assert torch.equal(a, b)

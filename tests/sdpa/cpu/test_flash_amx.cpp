@@ -128,6 +128,44 @@ TEST_P(AmxEmulated, Float32MediumWithinTheBf16Rule) {
   EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * bf16_err + 1e-4) << describe(c) << " (bf16 rule's error " << bf16_err << ")";
 }
 
+// fp16 on the tiles (P in two bf16 terms) forms output_residual itself: output + residual is the
+// float32 attention (far closer to the truth than the fp16 output), and the backward that reads
+// it (widened: no fp16 backward kernel) meets the low-precision rule. bf16's table (one term of P)
+// says it cannot, and the registry sends such calls to the float32 kernel, widened.
+TEST_P(AmxEmulated, Float16OutputResidualFeedsTheBackward) {
+  const Case c = GetParam();
+  if (c.L * c.S * c.E > 4'000'000) GTEST_SKIP() << "float64 backward truth too slow for " << describe(c);
+  const test::Inputs in = test::make_inputs(c, 26);
+  const DType dt = DType::kFloat16;
+  const Tensor q = in.q.to(dt), k = in.k.to(dt), v = in.v.to(dt);
+  const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
+  SdpaOptions o = in.options;
+  o.need_output_residual = true;
+  EXPECT_FALSE(cpu::amx_kernel_emulated(DType::kBFloat16, Float32MatmulPrecision::kHighest).residual_ok);
+  ASSERT_TRUE(cpu::amx_kernel_emulated(dt, Float32MatmulPrecision::kHighest).residual_ok);
+  const SdpaResult f = run_emulated(q, k, v, o);
+  ASSERT_TRUE(f.output_residual.defined());
+  SdpaOptions ref = in.options;
+  ref.backend = SdpaBackend::kReference;
+  const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q32, k32, v32, ref);
+  Tensor sum = f.output.to(DType::kFloat32);
+  const Tensor res = f.output_residual.to(DType::kFloat32);
+  for (int64_t i = 0; i < sum.numel(); ++i) sum.data()[i] += res.data()[i];
+  // The tiles drop the lo.lo products (2^-16 relative each): output + residual is good to ~2^-16,
+  // measured 1/20-1/40 of the fp16 output's error.
+  EXPECT_LE(max_abs_err(sum, truth.output), max_abs_err(f.output, truth.output) / 8 + 1e-6) << describe(c);
+
+  manual_seed(31);
+  const Tensor dout = randn({c.B, c.Hq, c.L, c.Ev}).to(dt), d32 = dout.to(DType::kFloat32);
+  const reference::SdpaGradsF64 gt = reference::scaled_dot_product_attention_backward_f64(d32, q32, k32, v32, ref);
+  const SdpaResult rf = scaled_dot_product_attention(q32, k32, v32, ref);
+  const SdpaGrads rg = scaled_dot_product_attention_backward(d32, q32, k32, v32, rf, ref);
+  const SdpaGrads g = scaled_dot_product_attention_backward(dout, q, k, v, f, o);
+  EXPECT_LE(max_abs_err(g.grad_query, gt.grad_query), 2.0 * max_abs_err(rg.grad_query.to(dt), gt.grad_query) + 1e-4) << describe(c);
+  EXPECT_LE(max_abs_err(g.grad_key, gt.grad_key), 2.0 * max_abs_err(rg.grad_key.to(dt), gt.grad_key) + 1e-4) << describe(c);
+  EXPECT_LE(max_abs_err(g.grad_value, gt.grad_value), 2.0 * max_abs_err(rg.grad_value.to(dt), gt.grad_value) + 1e-4) << describe(c);
+}
+
 TEST_P(AmxEmulated, SameBitsForOneAndTwoThreads) {
   const Case c = GetParam();
   const test::Inputs in = test::make_inputs(c, 22);
