@@ -793,8 +793,9 @@ def render(args, rows, peaks, torch_version, machine, started, elapsed_s, comman
         "- torch: `torch.nn.functional.scaled_dot_product_attention` under `torch.inference_mode()`"
         " with `torch.set_num_threads(threads)`, each configuration in a fresh process.",
         f"- Backward rows (L in {list(BACKWARD_SEQS)}): `attn bench --backward` times "
-        "`scaled_dot_product_attention_backward` (dQ, dK, dV from the saved output and LSE) after "
-        "one untimed forward; torch times `torch.autograd.grad(out, (q, k, v), dout, "
+        "`scaled_dot_product_attention_backward` (dQ, dK, dV from the saved output and LSE, and "
+        "for 16-bit inputs the output's float32 residual, as training saves it: "
+        "`need_output_residual`) after one untimed forward; torch times `torch.autograd.grad(out, (q, k, v), dout, "
         "retain_graph=True)` after one forward, i.e. its backward alone. GFLOP/s = 2.5x the "
         "forward's count / time (FlashAttention's convention: five matmuls instead of two).",
         "- MiB: peak resident set (`getrusage` ru_maxrss) of the process that ran the "
