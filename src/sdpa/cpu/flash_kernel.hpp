@@ -41,6 +41,9 @@
 #if defined(__AVX512DQ__) || defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && ATTN_SIMD_WIDTH == 16
+#include "sdpa/cpu/exp2_avx512.hpp"
+#endif
 
 namespace attn::cpu::ATTN_SIMD_NS {
 
@@ -70,6 +73,14 @@ inline void zero(float* p, int64_t n) {
 
 // 2^x, accurate to ~2 ulp on [-126, 0]; exactly 0 below -126 (so -inf -> 0); NaN stays NaN.
 inline vf exp2v(vf x) {
+#if defined(__AVX512F__) && ATTN_SIMD_WIDTH == 16
+  __m512 xi;
+  std::memcpy(&xi, &x, sizeof xi);
+  const __m512 ri = exp2_avx512(xi);  // the same polynomial with vscalefps (exp2_avx512.hpp)
+  vf r;
+  std::memcpy(&r, &ri, sizeof r);
+  return r;
+#else
   const vf xc = vmax(x, splat(-126.0f));
   const vf n = (xc + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
   const vf f = xc - n;                              // in [-0.5, 0.5]
@@ -88,6 +99,7 @@ inline vf exp2v(vf x) {
   vf r = p * scale;
   r = x < -126.0f ? splat(0.0f) : r;
   return x != x ? x : r;
+#endif
 }
 
 // Softcapping, x -> c tanh(x / c), to a few ulp: below |y| = |x / c| = 0.5 as x * (tanh(y) / y)
