@@ -24,8 +24,9 @@
 // before P.V (as PyTorch's and FlashAttention's bf16 kernels do); the row sums use the float32
 // P. With SdpaOptions::need_output_residual P enters as two terms (16 significant bits), so that
 // output + output_residual is the float32 attention's output: from the one-term output the
-// backward's D = rowsum(dO * O) measured up to 2.1x the rule's dQ error (E = 1). The registry keeps problems whose V holds NaN/Inf away from this kernel (a dropped or
-// masked weight of 0 times Inf would be NaN here), and the float32 kernel takes them widened.
+// backward's D = rowsum(dO * O) measured up to 2.1x the rule's dQ error (E = 1). The registry
+// keeps problems whose V holds NaN/Inf away from this kernel (a dropped or masked weight of 0
+// times Inf would be NaN here), and the float32 kernel takes them widened.
 #include <immintrin.h>
 
 #include <cstdint>
