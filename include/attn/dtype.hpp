@@ -49,6 +49,8 @@ constexpr std::string_view dtype_name(DType t) {
 }
 
 constexpr bool is_floating(DType t) { return t != DType::kInt8 && t != DType::kInt32; }
+// bfloat16 or float16: computed in float32, output rounded to 16 bits.
+constexpr bool is_sixteen_bit_float(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16; }
 
 // The 16 bits of a bfloat16 value: float32's sign, exponent and top 7 mantissa bits.
 struct bfloat16 {

@@ -159,7 +159,7 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
   // Float32 queries may read bfloat16/float16 keys and values (a low-precision KV cache); the
   // registry then looks for a kernel that takes the pair.
   const bool mixed_kv = q.dtype() == DType::kFloat32 && k.dtype() == v.dtype() &&
-                        (k.dtype() == DType::kBFloat16 || k.dtype() == DType::kFloat16);
+                        is_sixteen_bit_float(k.dtype());
   if (!mixed_kv && (k.dtype() != q.dtype() || v.dtype() != q.dtype())) {
     throw DTypeError(fmt::format(
         "scaled_dot_product_attention: query, key and value must have the same dtype, got query "
@@ -317,7 +317,7 @@ void check_sdpa_backward(const TensorView& grad_output, const SdpaSaved& forward
         dtype_name(grad_output.dtype()), dtype_name(forward.output.dtype())));
   }
   if (forward.output_residual.defined()) {
-    if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
+    if (!is_sixteen_bit_float(p.dtype)) {
       throw ValueError(fmt::format(
           "scaled_dot_product_attention_backward: forward.output_residual is for bfloat16 and "
           "float16 calls (their output's rounding error), got one for a {} call: leave it undefined",

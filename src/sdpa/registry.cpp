@@ -216,7 +216,7 @@ std::string decode_why_not(const SdpaKernel&, const SdpaProblem& p, const SdpaOp
   }
   if (options.need_weights) return "need_weights is served by the cpu.flash kernels";
   if (options.dropout_p > 0.0f) return "dropout is served by the cpu.flash kernels (decoding is inference)";
-  if (options.need_output_residual && (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16)) {
+  if (options.need_output_residual && is_sixteen_bit_float(p.dtype)) {
     return "need_output_residual (for a backward) is served by the cpu.flash kernels (decoding is inference)";
   }
   return "";
@@ -314,7 +314,7 @@ SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorVi
   if (!tiles_take_values(q, k, v, p, threads)) return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   // The AMX bf16 table rounds P to one bf16 term: its float32 output is not the float32
   // attention's, which output_residual must carry.
-  if (options.need_output_residual && p.dtype != DType::kFloat32 && !Table(p).residual_ok) {
+  if (options.need_output_residual && is_sixteen_bit_float(p.dtype) && !Table(p).residual_ok) {
     return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   }
   return cpu::flash_forward_bf16(Table(p), q, k, v, options, p);

@@ -319,14 +319,17 @@ void check_backward(const TensorView& grad_output, const SdpaSaved& forward, con
   }
   const TensorView& res = forward.output_residual;
   if (!res.defined()) return;
-  if (q.dtype() != DType::kBFloat16 && q.dtype() != DType::kFloat16) {
+  if (!is_sixteen_bit_float(q.dtype())) {
     throw ValueError(fmt::format("{}: forward.output_residual is for bfloat16 and float16 calls, got "
                                  "one for a {} call: leave it undefined", kBackward, dtype_name(q.dtype())));
   }
-  if (!(res.shape() == out) || res.dtype() != q.dtype()) {
-    throw ShapeError(fmt::format("{}: forward.output_residual must be {} of shape {} (the forward's), got {} {}",
-                                 kBackward, dtype_name(q.dtype()), out.str(), dtype_name(res.dtype()),
-                                 res.shape().str()));
+  if (!(res.shape() == out)) {
+    throw ShapeError(fmt::format("{}: forward.output_residual must have shape {} (the forward's), got {}",
+                                 kBackward, out.str(), res.shape().str()));
+  }
+  if (res.dtype() != q.dtype()) {
+    throw DTypeError(fmt::format("{}: forward.output_residual must be {} (the output's), got {}", kBackward,
+                                 dtype_name(q.dtype()), dtype_name(res.dtype())));
   }
 }
 
@@ -339,8 +342,7 @@ SdpaResult varlen_attn(const TensorView& query, const TensorView& key, const Ten
   SdpaResult result;
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   result.output = Tensor::empty({plan.total_q, plan.H, plan.Ev}, query.dtype());
-  const bool residual = options.need_output_residual &&
-                        (query.dtype() == DType::kBFloat16 || query.dtype() == DType::kFloat16);
+  const bool residual = options.need_output_residual && is_sixteen_bit_float(query.dtype());
   if (residual) result.output_residual = Tensor::empty(result.output.shape(), query.dtype());
   for (size_t i = 0; i < plan.seqs.size(); ++i) {  // rows no kernel writes: sequences without keys
     if (plan.kernels[i] != nullptr) continue;

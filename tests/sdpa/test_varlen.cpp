@@ -537,6 +537,24 @@ TEST(Varlen, BadInput) {
                            "need_lse", "missing lse");
   expect_error<ValueError>([&] { (void)varlen_attn_backward(p.dout, p.q, p.k, p.v, cq, p.cu_k, p.max_q, p.max_k, r, o); },
                            "cu_seq_q", "backward cu_seq_q");
+  // output_residual: only for 16-bit calls, of the output's shape and dtype.
+  SdpaResult f32_res = r;
+  f32_res.output_residual = r.output.to(DType::kBFloat16);
+  expect_error<ValueError>([&] { (void)varlen_attn_backward(p.dout, p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k, f32_res, o); },
+                           "forward.output_residual", "residual of a float32 call");
+  const Tensor qh = p.q.to(DType::kBFloat16), kh = p.k.to(DType::kBFloat16), vh = p.v.to(DType::kBFloat16),
+               dh = p.dout.to(DType::kBFloat16);
+  o.need_output_residual = true;
+  const SdpaResult rh = varlen_attn(qh, kh, vh, p.cu_q, p.cu_k, p.max_q, p.max_k, o);
+  ASSERT_TRUE(rh.output_residual.defined());
+  SdpaResult short_res = rh;
+  short_res.output_residual = rh.output_residual.slice(0, 0, qh.size(0) - 1).contiguous();
+  expect_error<ShapeError>([&] { (void)varlen_attn_backward(dh, qh, kh, vh, p.cu_q, p.cu_k, p.max_q, p.max_k, short_res, o); },
+                           "forward.output_residual", "residual shape");
+  SdpaResult half_res = rh;
+  half_res.output_residual = rh.output_residual.to(DType::kFloat16);
+  expect_error<DTypeError>([&] { (void)varlen_attn_backward(dh, qh, kh, vh, p.cu_q, p.cu_k, p.max_q, p.max_k, half_res, o); },
+                           "forward.output_residual", "residual dtype");
 }
 
 // Rows no kernel writes (a sequence without keys: output and dQ; without queries: dK, dV) are

@@ -21,6 +21,7 @@
 #include <numbers>
 
 #include "sdpa/cpu/flash_params.hpp"
+#include "sdpa/cpu/residual_avx512.hpp"
 
 namespace attn::cpu::avx512_bf16 {
 namespace {
@@ -48,12 +49,9 @@ inline uint16_t round_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// x minus its bf16 rounding r (the float32 value SdpaResult::output_residual rounds), 0 in lanes
-// where r is Inf or NaN.
-inline __m512 residual_of(__m512 x, __m256bh r) {
-  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)r), 16));
-  const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(hi, 0x99));  // NaN, +-Inf
-  return _mm512_maskz_sub_ps(finite, x, hi);
+// x minus its bf16 rounding r (residual_avx512.hpp).
+inline __m512 residual_of_bf16(__m512 x, __m256bh r) {
+  return residual_of(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)r), 16)));
 }
 
 // The pair (row[2*i], row[2*i+1]) as one 32-bit lane; an odd tail keeps only row[2*i] (the

@@ -54,6 +54,7 @@
 
 #include "sdpa/cpu/exp2_avx512.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
+#include "sdpa/cpu/residual_avx512.hpp"
 
 // GCC 12 reports the AVX-512 intrinsics' own placeholder operand (__Y, _mm512_undefined_ps) as
 // maybe-uninitialized once softmax_row is inlined into the tile loop (GCC bug 105593).
@@ -393,9 +394,8 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(b.o) + q * p.o_row + c, first_lanes(p.Ev - c), h);
         if (b.o_lo != nullptr) {  // SdpaResult::output_residual: x - h, 0 where h is Inf or NaN
           const __m512 hi = In == Src::kBf16 ? from_bf16(h) : _mm512_cvtph_ps(h);
-          const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(hi, 0x99));
           _mm256_mask_storeu_epi16(static_cast<uint16_t*>(b.o_lo) + q * p.o_row + c, first_lanes(p.Ev - c),
-                                   to_16(_mm512_maskz_sub_ps(finite, x, hi)));
+                                   to_16(residual_of(x, hi)));
         }
       }
     }

@@ -120,8 +120,8 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
         const __m512 odd = _mm512_loadu_ps(st + (2 * j2 + 1) * kBQ + h * 16);
         _mm512_storeu_si512(pp + j2 * kBQ + h * 16, pair_rows(even, odd));
         if (two_terms) {
-          _mm512_storeu_si512(pp2 + j2 * kBQ + h * 16, pair_rows(residual_of(even, _mm512_cvtneps_pbh(even)),
-                                                                 residual_of(odd, _mm512_cvtneps_pbh(odd))));
+          _mm512_storeu_si512(pp2 + j2 * kBQ + h * 16, pair_rows(residual_of_bf16(even, _mm512_cvtneps_pbh(even)),
+                                                                 residual_of_bf16(odd, _mm512_cvtneps_pbh(odd))));
         }
       }
     }
@@ -145,7 +145,7 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
       const __m256bh r = _mm512_cvtneps_pbh(x);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)r);
       if (lo != nullptr) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), (__m256i)_mm512_cvtneps_pbh(residual_of(x, r)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), (__m256i)_mm512_cvtneps_pbh(residual_of_bf16(x, r)));
       }
     }
     for (; c < p.Ev; ++c) {

@@ -63,7 +63,7 @@ SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q
   auto* const out = static_cast<char*>(result.output.raw_data());
   float* const lse = options.need_lse ? result.lse.data() : nullptr;
   char* residual = nullptr;
-  if (options.need_output_residual && p.dtype != DType::kFloat32) {
+  if (options.need_output_residual && is_sixteen_bit_float(p.dtype)) {
     if (!kern.residual_ok) throw ValueError("flash_forward_bf16: this kernel table cannot form output_residual");
     result.output_residual = Tensor::empty(result.output.shape(), p.dtype);
     residual = static_cast<char*>(result.output_residual.raw_data());
