@@ -126,8 +126,9 @@ struct PagedAttentionOptions {
   bool is_causal = false;
   bool need_lse = false;  // also return the LSE, (N, H_q, L_q) float32 (FlashAttention's layout)
   int num_threads = 0;    // 0: OpenMP's default
-  // A decode kernel by name ("cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic"), or
-  // "" for the best this CPU runs; ValueError for another name or one this CPU cannot run.
+  // A decode kernel by name ("cpu.decode.avx512_bf16", "cpu.decode.avx512", "cpu.decode.avx2",
+  // "cpu.decode.generic"), or "" for the best this CPU runs; ValueError for another name or one
+  // this CPU cannot run.
   std::string kernel;
   // Variants, as SdpaOptions' (attn/sdpa.hpp) with the queries bottom-right aligned as is_causal:
   // query i of a sequence of length S sits at i' = S - L_q + i. All combine with each other and

@@ -65,7 +65,8 @@ struct AttnMask {
 //               the best one this CPU runs first.
 //               Dropout needs DropoutRng::kPhilox there.
 //               For a decode step (at most 16 queries per head, no weights, no dropout) the
-//               split-KV decode kernels ("cpu.decode.avx512", "cpu.decode.avx2",
+//               split-KV decode kernels ("cpu.decode.avx512_bf16": AVX-512's with bf16 dot
+//               products for a bf16 cache, "cpu.decode.avx512", "cpu.decode.avx2",
 //               "cpu.decode.generic") come first: they split the keys across threads, read
 //               each kv head once for its whole GQA group, and merge the splits through their
 //               LSEs; results are bit-identical for any thread count, like the others'.

@@ -326,6 +326,10 @@ using namespace attn::cpu;  // the feature bits
 // Highest priority first. Priorities leave room for builds between the present ones.
 const SdpaKernel kKernels[] = {
 #if defined(ATTN_HAVE_X86_KERNELS)
+    {"cpu.decode.avx512_bf16", SdpaBackend::kFused,
+     kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kFusedDtypes, 510,
+     decode_why_not, decode_forward<decode_kernel_avx512_bf16>, decode_backward<flash_kernel_avx512>,
+     nullptr, true, decode_kernel_avx512_bf16},
     {"cpu.decode.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 500, decode_why_not, decode_forward<decode_kernel_avx512>,
      decode_backward<flash_kernel_avx512>, nullptr, true, decode_kernel_avx512},

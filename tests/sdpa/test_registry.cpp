@@ -107,7 +107,7 @@ TEST(SdpaRegistry, ListsEveryKernelWithItsFamilyAndDtypes) {
   }
   std::vector<std::string> want = {"cpu.decode.generic", "cpu.flash.generic", "reference"};
 #if defined(__x86_64__)
-  want = {"cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic", "cpu.flash.amx_bf16",
+  want = {"cpu.decode.avx512_bf16", "cpu.decode.avx512", "cpu.decode.avx2", "cpu.decode.generic", "cpu.flash.amx_bf16",
           "cpu.flash.avx512_bf16", "cpu.flash.avx512", "cpu.flash.avx2", "cpu.flash.generic",
           "reference"};
 #endif
@@ -128,6 +128,11 @@ TEST(SdpaRegistry, Avx512BuildNeedsEveryFeatureItsFlagsAssume) {
                 f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kFma));
     }
     if (k.name == "cpu.flash.avx2") EXPECT_EQ(k.runs_on_this_cpu, f.has(cpu::kAvx2 | cpu::kFma));
+    // decode_avx512_bf16.cpp: the AVX-512 build's flags plus -mavx512bw -mavx512bf16.
+    if (k.name == "cpu.decode.avx512_bf16") {
+      EXPECT_EQ(k.runs_on_this_cpu, f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kAvx512bw |
+                                          cpu::kAvx512Bf16 | cpu::kFma));
+    }
     // flash_amx_bf16.cpp adds -mamx-tile -mamx-bf16 to the AVX512-BF16 build's flags.
     if (k.name == "cpu.flash.amx_bf16") {
       EXPECT_EQ(k.runs_on_this_cpu, f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kAvx512bw |
@@ -219,7 +224,8 @@ TEST(SdpaRegistry, AutoPicksTheBestKernelThisCpuRuns) {
   const CpuFeatures& f = cpu::cpu_features();
   if (f.has(cpu::kAvx512f | cpu::kAvx512vl | cpu::kAvx512dq | cpu::kFma)) {
     EXPECT_EQ(best_fused, "cpu.flash.avx512");
-    EXPECT_EQ(best_decode, "cpu.decode.avx512");
+    const bool bf16 = f.has(cpu::kAvx512bw | cpu::kAvx512Bf16);
+    EXPECT_EQ(best_decode, bf16 ? "cpu.decode.avx512_bf16" : "cpu.decode.avx512");
   }
   SdpaOptions o;
   EXPECT_EQ(sdpa_kernel_name(q, q, q, o), best_fused);

@@ -82,7 +82,8 @@ KvType kv_type_of(DType dtype) {
 }
 
 void run_decode(const DecodeKernel& kernel, const DecodeCall& c) {
-  const DecodeParams& p = c.params;
+  DecodeParams p = c.params;
+  p.q_bf16 = c.q_dtype == DType::kBFloat16 && p.kv == KvType::kBFloat16;
   const int64_t group = c.heads_q / c.heads_kv, R = group * c.L;
   const int threads = std::max(1, c.threads);
 

@@ -1,8 +1,9 @@
 // Split-KV decode kernel (flash-decoding) for one work item: R query rows against one kv head's
 // keys [j0, j1), leaving a partial softmax (see decode_params.hpp).
 //
-// Included after flash_kernel.hpp by flash_avx512.cpp, flash_avx2.cpp and flash_generic.cpp,
-// so it shares their vector type `vf` (W floats), exp2v and per-ISA namespace.
+// Included after flash_kernel.hpp by flash_avx512.cpp, flash_avx2.cpp, flash_generic.cpp and
+// decode_avx512_bf16.cpp, so it shares their vector type `vf` (W floats), exp2v and per-ISA
+// namespace. The last adds vdpbf16ps paths for bf16 caches (decode_bf16_dot.hpp).
 //
 // Shapes and tiling: the item's rows are few (GQA group x L <= 16 queries), its keys many.
 // Keys go by chunks of up to kDecodeChunk tokens (a chunk may span pages; its row addresses are
@@ -49,7 +50,8 @@ constexpr int64_t kPrefetchAhead = 16;  // key rows
 
 inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
   const int64_t Rp = (R + 15) / 16 * 16;  // rows padded for the lane layout (W divides 16)
-  return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + Ep * Rp + kDecodeChunk * Ep;
+  const int64_t pairs = Rp * ((Ep + 31) / 32 * 16 + kDecodeChunk / 2);  // decode_bf16_dot.hpp's q2, pp
+  return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + Ep * Rp + kDecodeChunk * Ep + pairs;
 }
 
 // x's lanes combined by `op` (on vectors and on floats) in a halving tree: lanes l and l + W/2,
@@ -516,6 +518,12 @@ inline void modify_row(float softcap2, float slope2, int64_t d0, int64_t nkp, fl
   }
 }
 
+}  // namespace attn::cpu::ATTN_SIMD_NS
+
+#include "sdpa/cpu/decode_bf16_dot.hpp"
+
+namespace attn::cpu::ATTN_SIMD_NS {
+
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, float* ws) {
   float* st = ws;
@@ -525,6 +533,8 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
   float* vwide = kwide + p.Ep;                    // (kDecodeChunk, Evp): widened value rows
   float* qt = vwide + kDecodeChunk * p.Evp;       // lanes: (Ep, Rp) Q^T
   float* kchunk = qt + p.Ep * Rp;                 // lanes: (kDecodeChunk, Ep) widened key rows
+  auto* q2 = reinterpret_cast<uint32_t*>(kchunk + kDecodeChunk * p.Ep);  // bf16 dot: (Rp, words)
+  uint32_t* pp = q2 + Rp * q_words(p.Ep);         // bf16 dot: (Rp, kDecodeChunk / 2)
   const float* kf[kDecodeChunk];
   float kscale[kDecodeChunk];
   const char* rows[4][kDecodeChunk];              // this chunk's and the next one's K and V rows
@@ -537,6 +547,14 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
   constexpr float kLog2e = 1.4426950408889634f;
   const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
   const bool modify = p.softcap2 > 0.0f || it.alibi2 != nullptr;
+  // The AVX512-BF16 build's paths (decode_bf16_dot.hpp): bf16 queries dot bf16 keys read in
+  // place; bf16 values read in place in 32-element blocks accumulate in a permuted order, by
+  // vdpbf16ps for bf16 queries (P rounded to bf16, as the output will be) and by FMA otherwise.
+  constexpr bool kDotType = kBf16Dot && T == KvType::kBFloat16;
+  const bool dot_k = kDotType && p.q_bf16 && k_in_place && !lanes;
+  const bool permuted_v = kDotType && v_in_place && p.Evp % 32 == 0;
+  const bool dot_v = permuted_v && p.q_bf16;
+  const int64_t words = q_words(p.Ep);
 
   // Keys outside every row's band are read by no row: past the last row's upper limit, before
   // the first row's lower one. (The driver cuts its ranges to the band already; this trims the
@@ -557,6 +575,7 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
     zero(it.acc + r * p.Evp, p.Evp);
   }
   if (j_begin >= j_end) return;
+  if (dot_k) pack_query_pairs(it.q, it.R, p.Ep, q2);
   if (lanes) {
     for (int64_t e = 0; e < p.Ep; ++e) {
       for (int64_t r = 0; r < Rp; ++r) qt[e * Rp + r] = r < it.R ? it.q[r * p.Ep + e] : 0.0f;
@@ -594,7 +613,10 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       }
       for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr[u] + b, 0, 3);
       const float s = ks[u] * p.scale_log2;
-      if (lanes) {  // gather the chunk's rows; the scores follow, all at once
+      if (dot_k) {
+        kscale[u] = s;
+        if (u % 4 == 3) dot_scores_tokens4(q2, words, it.R, p.E, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
+      } else if (lanes) {  // gather the chunk's rows; the scores follow, all at once
         kf[u] = T == KvType::kFloat32 && k_in_place ? reinterpret_cast<const float*>(kr[u])
                                                     : widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
         kscale[u] = s;
@@ -616,7 +638,9 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       }
     }
 
-    if (lanes) {
+    if (dot_k) {  // the last nk % 4 tokens
+      for (int64_t u = nk / 4 * 4; u < nk; ++u) dot_scores_token(q2, words, it.R, p.E, kr[u], kscale[u], st + u);
+    } else if (lanes) {
       scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
     } else if (kScoresByFour) {  // the last nk % 4 tokens
       for (int64_t u = nk / 4 * 4; u < nk; ++u) {
@@ -683,9 +707,12 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
         for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
       }
+      if (dot_v) pack_prob_pairs(sr, nk, pp + r * (kDecodeChunk / 2));
     }
 
-    if (v_in_place) {
+    if (permuted_v) {
+      pv_chunk_permuted(st, pp, dot_v, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc);
+    } else if (v_in_place) {
       pv_chunk<T>(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc);
     } else {
       for (int64_t u = 0; u < nk; ++u) vrow[u] = widen_row<T>(vr[u], p.Ev, p.Evp, vwide + u * p.Evp);
@@ -693,6 +720,7 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
     }
     cur = 1 - cur;
   }
+  if (permuted_v) unpermute_rows(it.acc, it.R, p.Evp);
 }
 
 inline void decode_split(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, float* ws) {

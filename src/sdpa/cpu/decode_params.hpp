@@ -58,6 +58,9 @@ struct DecodeParams {
   float softcap2 = 0;       // softcap times log2(e) (0: none): x = c2 tanh(x / c2) in base 2
   int64_t mask_col = 0;     // element stride between keys of a mask row
   bool mask_is_bool = true;
+  // The queries are bf16 (and so the output): with a bf16 cache, a build with a bf16 dot unit
+  // multiplies them as bf16 pairs and rounds P to bf16 (decode_bf16_dot.hpp). Set by run_decode.
+  bool q_bf16 = false;
 };
 
 // One work item: R query rows against keys [j0, j1) of one DecodeKv.

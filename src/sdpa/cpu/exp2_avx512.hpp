@@ -13,8 +13,10 @@ namespace {
 
 inline __m512 exp2_avx512(__m512 x) {
   // max_ps returns its second operand when either is NaN: a NaN x flows through to the result.
-  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // (The all-ones maskz forms are the same instructions; GCC 12's unmasked ones read an
+  // undefined vector and warn that it may be used uninitialized.)
+  const __m512 xc = _mm512_maskz_max_ps(0xffff, _mm512_set1_ps(-126.0f), x);
+  const __m512 n = _mm512_maskz_roundscale_ps(0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);
   __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));

@@ -30,6 +30,7 @@ struct DecodeKernel {
   void (*split)(const DecodeParams&, const DecodeKv&, const DecodeItem&, float* workspace);
 };
 const DecodeKernel& decode_kernel_avx512();
+const DecodeKernel& decode_kernel_avx512_bf16();  // decode_avx512_bf16.cpp
 const DecodeKernel& decode_kernel_avx2();
 const DecodeKernel& decode_kernel_generic();
 

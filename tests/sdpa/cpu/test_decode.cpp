@@ -128,6 +128,44 @@ TEST_P(Decode, SameBitsForAnyThreadCount) {
   expect_same_bits_for_any_thread_count(in.q, in.k, in.v, in.options, describe(c));
 }
 
+// Queries, keys and values all 16-bit (a bf16 or fp16 model decoding from a cache of its dtype),
+// under the low-precision rule of tests/sdpa/test_low_precision.cpp: the truth is float64 of the
+// rounded values, the rival the float32 reference on them with its output rounded to the dtype.
+// With bf16, cpu.decode.avx512_bf16 multiplies on the dot unit (decode_bf16_dot.hpp): S up to
+// 2500 crosses its chunks, odd token tails, ranges and the masks' zero weights (guarded path).
+TEST_P(Decode, SixteenBitQueriesWithinTwiceTheRoundedFloat32Reference) {
+  const Case c = GetParam();
+  const Inputs in = make_inputs(c, 24);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    const Tensor q = in.q.to(dtype), k = in.k.to(dtype), v = in.v.to(dtype);
+    const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
+    SdpaOptions ref = in.options;
+    ref.backend = SdpaBackend::kReference;
+    const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q32, k32, v32, ref);
+    const double ref_err = max_abs_err(scaled_dot_product_attention(q32, k32, v32, ref).output.to(dtype), truth.output);
+    ASSERT_TRUE(std::isfinite(ref_err)) << describe(c);
+    for (const std::string& kernel : decode_kernels()) {
+      SdpaOptions o = in.options;
+      o.kernel = kernel;
+      const SdpaResult f = scaled_dot_product_attention(q, k, v, o);
+      ASSERT_EQ(f.output.dtype(), dtype) << kernel;
+      EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * ref_err + 1e-4)
+          << describe(c) << " " << kernel << " " << dtype_name(dtype) << " (reference error " << ref_err << ")";
+      EXPECT_LE(max_abs_err(f.lse, truth.lse), 1e-4 * std::max(1.0, std::log(double(c.S)) + 1.0))
+          << describe(c) << " lse " << kernel << " " << dtype_name(dtype);
+    }
+  }
+}
+
+TEST_P(Decode, SixteenBitSameBitsForAnyThreadCount) {
+  const Case c = GetParam();
+  const Inputs in = make_inputs(c, 25);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    expect_same_bits_for_any_thread_count(in.q.to(dtype), in.k.to(dtype), in.v.to(dtype), in.options,
+                                          describe(c) + " " + std::string(dtype_name(dtype)));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Sweep, Decode, testing::ValuesIn(decode_sweep()),
                          [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
 
@@ -178,6 +216,20 @@ TEST(DecodeChoice, ShortInferenceProblemsOnlyAndEachRefusalSaysWhy) {
   // kAuto hands those to the flash kernels.
   d.kernel.clear();
   EXPECT_TRUE(sdpa_kernel_name(q16, k, k, d).starts_with("cpu.flash."));
+}
+
+// Where the CPU has AVX512-BF16, kAuto decodes on the build that uses it, for every dtype (it is
+// the AVX-512 build for the others).
+TEST(DecodeChoice, TheBf16DotBuildIsChosenWhereItRuns) {
+  const std::vector<std::string> bf16 = test::runnable_kernels_named("cpu.decode.avx512_bf16");
+  if (bf16.empty()) GTEST_SKIP() << "cpu.decode.avx512_bf16 does not run on this CPU (reason printed above)";
+  const Tensor q = Tensor::ones({1, 4, 1, 64}), kv = Tensor::ones({1, 2, 300, 64});
+  SdpaOptions o;
+  o.enable_gqa = true;
+  for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    EXPECT_EQ(sdpa_kernel_name(q.to(d), kv.to(d), kv.to(d), o), "cpu.decode.avx512_bf16") << dtype_name(d);
+  }
+  EXPECT_EQ(sdpa_kernel_name(q, kv.to(DType::kBFloat16), kv.to(DType::kBFloat16), o), "cpu.decode.avx512_bf16");
 }
 
 TEST(DecodeChoice, MixedDtypesBeyondTheDecodeRangeNameBoth) {
@@ -240,17 +292,21 @@ TEST(DecodeNumerics, ZeroWeightsNeverTouchValuesAcrossRanges) {
   SdpaOptions o;
   o.attn_mask = AttnMask::boolean(mask);
   o.need_lse = true;
-  for (const std::string& kernel : decode_kernels()) {
-    o.kernel = kernel;
-    const SdpaResult r = scaled_dot_product_attention(q, k, v, o);
-    const std::vector<float> out = r.output.to_vector(), lse = r.lse.to_vector();
-    for (int64_t e = 0; e < 8; ++e) {
-      EXPECT_FLOAT_EQ(out[static_cast<size_t>(e)], 1.0f) << kernel << " row 0, e " << e;
-      EXPECT_TRUE(std::isnan(out[static_cast<size_t>(8 + e)])) << kernel << " row 1 (NaN query)";
-      EXPECT_EQ(out[static_cast<size_t>(16 + e)], 0.0f) << kernel << " row 2 (fully masked)";
+  // Every value is exact in bf16 and fp16, and so are the weights that count (1, at score 0).
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (const std::string& kernel : decode_kernels()) {
+      o.kernel = kernel;
+      const SdpaResult r = scaled_dot_product_attention(q.to(d), k.to(d), v.to(d), o);
+      const std::vector<float> out = r.output.to_vector(), lse = r.lse.to_vector();
+      const std::string what = kernel + " " + std::string(dtype_name(d));
+      for (int64_t e = 0; e < 8; ++e) {
+        EXPECT_FLOAT_EQ(out[static_cast<size_t>(e)], 1.0f) << what << " row 0, e " << e;
+        EXPECT_TRUE(std::isnan(out[static_cast<size_t>(8 + e)])) << what << " row 1 (NaN query)";
+        EXPECT_EQ(out[static_cast<size_t>(16 + e)], 0.0f) << what << " row 2 (fully masked)";
+      }
+      EXPECT_TRUE(std::isfinite(lse[0])) << what;
+      EXPECT_EQ(lse[2], -std::numeric_limits<float>::infinity()) << what;
     }
-    EXPECT_TRUE(std::isfinite(lse[0])) << kernel;
-    EXPECT_EQ(lse[2], -std::numeric_limits<float>::infinity()) << kernel;
   }
 }
 
@@ -266,13 +322,14 @@ TEST(DecodeNumerics, UnderflowedEarlierWeightsExcludeAnInfValue) {
   v.at({0, 0, 64, 0}) = 1.0f;
   SdpaOptions o;
   o.scale = 1.0;
-  std::vector<std::string> kernels = test::runnable_kernels_named("cpu.");
-  for (const std::string& kernel : kernels) {
-    if (kernel.ends_with("_bf16")) continue;  // float32 inputs: not their dtype
-    o.kernel = kernel;
-    const std::vector<float> out = scaled_dot_product_attention(q, k, v, o).output.to_vector();
-    EXPECT_EQ(out[0], 1.0f) << kernel;
-    for (int64_t e = 1; e < E; ++e) EXPECT_EQ(out[static_cast<size_t>(e)], 0.0f) << kernel;
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (const std::string& kernel : test::runnable_kernels_for(d)) {
+      if (kernel == "reference") continue;
+      o.kernel = kernel;
+      const std::vector<float> out = scaled_dot_product_attention(q.to(d), k.to(d), v.to(d), o).output.to_vector();
+      EXPECT_EQ(out[0], 1.0f) << kernel << " " << dtype_name(d);
+      for (int64_t e = 1; e < E; ++e) EXPECT_EQ(out[static_cast<size_t>(e)], 0.0f) << kernel << " " << dtype_name(d);
+    }
   }
 }
 
@@ -399,6 +456,31 @@ TEST_P(DecodeVariants, ErrorWithinTwiceTheReferenceErrorForOutputAndLse) {
   }
   // kAuto takes a decode kernel for them (none refuses a variant).
   EXPECT_TRUE(sdpa_kernel_name(in.q, in.k, in.v, in.options).starts_with("cpu.decode.")) << vdescribe(c);
+}
+
+// A 16-bit cache read by queries of its own dtype (the output then in that dtype too), under the
+// low-precision rule: the rival is the float32 reference on the same values, rounded.
+TEST_P(DecodeVariants, SixteenBitQueriesWithinTwiceTheRoundedReference) {
+  const VariantCase c = GetParam();
+  if (c.kv == DType::kFloat32) GTEST_SKIP() << "float32 cache: ErrorWithinTwiceTheReferenceErrorForOutputAndLse";
+  const VariantInputs in = make_variant_inputs(c, 33);
+  const Tensor q = in.q.to(c.kv);
+  const Tensor q32 = q.to(DType::kFloat32), k32 = in.k.to(DType::kFloat32), v32 = in.v.to(DType::kFloat32);
+  SdpaOptions ref = in.options;
+  ref.backend = SdpaBackend::kReference;
+  const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q32, k32, v32, ref);
+  const double ref_err = max_abs_err(scaled_dot_product_attention(q32, k32, v32, ref).output.to(c.kv), truth.output);
+  ASSERT_TRUE(std::isfinite(ref_err)) << vdescribe(c);
+  for (const std::string& kernel : decode_kernels()) {
+    SdpaOptions o = in.options;
+    o.kernel = kernel;
+    const SdpaResult f = scaled_dot_product_attention(q, in.k, in.v, o);
+    ASSERT_EQ(f.output.dtype(), c.kv) << kernel;
+    EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * ref_err + 1e-4)
+        << vdescribe(c) << " " << kernel << " (reference error " << ref_err << ")";
+    EXPECT_LE(max_abs_err(f.lse, truth.lse), 1e-4 * std::max(1.0, std::log(double(c.S)) + 1.0))
+        << vdescribe(c) << " lse " << kernel;
+  }
 }
 
 TEST_P(DecodeVariants, SameBitsForOneTwoAndThreeThreads) {

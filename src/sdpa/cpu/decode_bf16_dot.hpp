@@ -1,0 +1,261 @@
+// The split-KV decode kernel's bf16 paths (decode_kernel.hpp), compiled in its AVX512-BF16 build
+// (decode_avx512_bf16.cpp) and stubbed out in the others.
+//
+// Why: decoding from a bf16 cache halves the bytes of a float32 one, but widening each key and
+// value element to float32 (vpmovzxwd + vpslld per 16) and one FMA per product made the kernel
+// compute-bound: measured on AMD Zen 5, 0.098 ms warm for H_q 32, H_kv 8, S 1024, E 128, the
+// same as float32's 0.096, so a bf16 cache from memory ran at 1.4x float32 instead of ~2x.
+//
+// Shapes (per work item of R rows; u32 words hold two bf16, the lower one first):
+//   q2  (R, q_words(Ep)) u32   the query rows as bf16 pairs (exact: taken only when the queries
+//                              are bf16), zero-padded to a whole number of 32-element blocks
+//   pp  (R, kDecodeChunk/2) u32  the chunk's probabilities rounded to bf16, as token pairs
+// Scores (q_bf16, keys read in place): per 32 elements of E one vdpbf16ps per (row, token) on
+// the key row as it is in the cache; 4 rows x 4 tokens per register tile, reduced by hsum16 as
+// the float32 path's tiles. P.V with values read in place and Ev a multiple of 32: the
+// accumulators hold each 32-element block of Ev permuted, lanes 0-15 the elements {0-3, 8-11,
+// 16-19, 24-27} and lanes 16-31 {4-7, 12-15, 20-23, 28-31}: the order in which vpunpck{l,h}wd
+// pairs the rows of tokens u and u + 1 for vdpbf16ps (q_bf16), and widens one row to float32
+// (zero low halves, one instruction per 16 elements) for the FMA path otherwise. The order is
+// restored once at the end of the item (unpermute_rows).
+//
+// Numerics: products of two bf16 are exact in float32. P is rounded to bf16 once before P.V,
+// as cpu.flash.avx512_bf16 does (the output is bf16); the row sums use the float32 P.
+// vdpbf16ps reads bf16 subnormals (below 2^-126) as zero. A zero weight must never multiply a
+// value (0 * Inf would be NaN) and a token pair multiplies both: a row tile whose chunk holds a
+// zero weight takes the guarded FMA path instead (with the driver's flush-to-zero, exp2 gives 0
+// or at least 2^-126, so a nonzero weight stays nonzero in bf16).
+
+namespace attn::cpu::ATTN_SIMD_NS {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && ATTN_SIMD_WIDTH == 16
+constexpr bool kBf16Dot = true;
+
+inline int64_t q_words(int64_t Ep) { return (Ep + 31) / 32 * 16; }
+
+inline vf to_vf(__m512 x) {
+  vf r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+
+// q2's rows from the float32 rows q (R, Ep); Ep is a multiple of 16.
+inline void pack_query_pairs(const float* q, int64_t R, int64_t Ep, uint32_t* q2) {
+  const int64_t words = q_words(Ep);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t w = 0; w < words; w += 16) {
+      const int64_t e = 2 * w;
+      const __m512 a = e < Ep ? _mm512_loadu_ps(q + r * Ep + e) : _mm512_setzero_ps();
+      const __m512 b = e + 16 < Ep ? _mm512_loadu_ps(q + r * Ep + e + 16) : _mm512_setzero_ps();
+      _mm512_storeu_si512(q2 + r * words + w, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+
+// The key row's elements [e, e + 32) as pairs; past E (a multiple of 16) they are zero.
+inline __m512bh key_block(const void* k, int64_t e, int64_t E) {
+  const __mmask32 m = E - e >= 32 ? 0xffffffffu : 0xffffu;
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(k) + e);
+}
+
+inline __m512bh query_block(const uint32_t* q2row, int64_t e) {
+  return (__m512bh)_mm512_loadu_si512(q2row + e / 2);
+}
+
+// q . k for one packed query row and one bf16 key row.
+inline float dot_row_bf16(const uint32_t* q2row, const void* k, int64_t E) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t e = 0;
+  for (; e + 64 <= E; e += 64) {
+    a0 = _mm512_dpbf16_ps(a0, query_block(q2row, e), key_block(k, e, E));
+    a1 = _mm512_dpbf16_ps(a1, query_block(q2row, e + 32), key_block(k, e + 32, E));
+  }
+  if (e < E) a0 = _mm512_dpbf16_ps(a0, query_block(q2row, e), key_block(k, e, E));
+  return hsum(to_vf(_mm512_add_ps(a0, a1)));
+}
+
+// st[r * kDecodeChunk + t] = s[t] * (q_r . k_t) for rows [r0, r0 + 4) and four key rows.
+inline void dot_scores_rows4_tokens4(const uint32_t* q2, int64_t words, int64_t r0, int64_t E,
+                                     const void* const* k, const float* s, float* st) {
+  vf acc[4][4];
+  __m512 a[4][4];
+  for (int t = 0; t < 4; ++t) {
+    for (int r = 0; r < 4; ++r) a[t][r] = _mm512_setzero_ps();
+  }
+  for (int64_t e = 0; e < E; e += 32) {
+    __m512bh kv[4];
+    for (int t = 0; t < 4; ++t) kv[t] = key_block(k[t], e, E);
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh qv = query_block(q2 + (r0 + r) * words, e);
+      for (int t = 0; t < 4; ++t) a[t][r] = _mm512_dpbf16_ps(a[t][r], qv, kv[t]);
+    }
+  }
+  for (int t = 0; t < 4; ++t) {
+    for (int r = 0; r < 4; ++r) acc[t][r] = to_vf(a[t][r]);
+  }
+  const __m512 x = _mm512_mul_ps(hsum16(acc), _mm512_broadcast_f32x4(_mm_loadu_ps(s)));
+  float* out = st + r0 * kDecodeChunk;  // lane 4 r + t: row r, token t
+  _mm_storeu_ps(out, _mm512_extractf32x4_ps(x, 0));
+  _mm_storeu_ps(out + kDecodeChunk, _mm512_extractf32x4_ps(x, 1));
+  _mm_storeu_ps(out + 2 * kDecodeChunk, _mm512_extractf32x4_ps(x, 2));
+  _mm_storeu_ps(out + 3 * kDecodeChunk, _mm512_extractf32x4_ps(x, 3));
+}
+
+// Four tokens' scores for all R rows: rows by four, the rest one by one.
+inline void dot_scores_tokens4(const uint32_t* q2, int64_t words, int64_t R, int64_t E,
+                               const void* const* k, const float* s, float* st) {
+  const int64_t R4 = R / 4 * 4;
+  for (int64_t r0 = 0; r0 < R4; r0 += 4) dot_scores_rows4_tokens4(q2, words, r0, E, k, s, st);
+  for (int64_t r = R4; r < R; ++r) {
+    for (int t = 0; t < 4; ++t) st[r * kDecodeChunk + t] = dot_row_bf16(q2 + r * words, k[t], E) * s[t];
+  }
+}
+
+// One token's scores for all R rows, each with the bits dot_scores_tokens4 gives it (hsum4 adds
+// in hsum16's order).
+inline void dot_scores_token(const uint32_t* q2, int64_t words, int64_t R, int64_t E, const void* k,
+                             float s, float* st) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) {
+    __m512 a[4];
+    for (int i = 0; i < 4; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < E; e += 32) {
+      const __m512bh kv = key_block(k, e, E);
+      for (int i = 0; i < 4; ++i) a[i] = _mm512_dpbf16_ps(a[i], query_block(q2 + (r + i) * words, e), kv);
+    }
+    float d[4];
+    hsum4(to_vf(a[0]), to_vf(a[1]), to_vf(a[2]), to_vf(a[3]), d);
+    for (int i = 0; i < 4; ++i) st[(r + i) * kDecodeChunk] = d[i] * s;
+  }
+  for (; r < R; ++r) st[r * kDecodeChunk] = dot_row_bf16(q2 + r * words, k, E) * s;
+}
+
+// A row's probabilities sr[0, nk) as bf16 token pairs; the pair past an odd nk holds p[nk] = 0
+// (sr is -inf there before the exp). Pairs beyond are not read.
+inline void pack_prob_pairs(const float* sr, int64_t nk, uint32_t* ppr) {
+  for (int64_t u = 0; u < nk; u += 32) {
+    const __m512 a = _mm512_loadu_ps(sr + u);
+    const __m512 b = _mm512_loadu_ps(sr + u + 16);  // inside the row's kDecodeChunk floats
+    _mm512_storeu_si512(ppr + u / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+}
+
+// acc's permuted blocks [c0, c0 + 32 NB) += P[rows] . V over the chunk's token pairs.
+template <int RT, int NB>
+inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
+                        int64_t Evp, float* acc) {
+  __m512 a[RT][2 * NB];
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
+  }
+  for (int64_t u = 0; u < nk; u += 2) {
+    __m512bh v[2 * NB];
+    const auto* x0 = static_cast<const uint16_t*>(vrows[u]) + c0;
+    const auto* x1 = u + 1 < nk ? static_cast<const uint16_t*>(vrows[u + 1]) + c0 : nullptr;
+    for (int b = 0; b < NB; ++b) {
+      const __m512i lo = _mm512_loadu_si512(x0 + 32 * b);
+      const __m512i hi = x1 != nullptr ? _mm512_loadu_si512(x1 + 32 * b) : _mm512_setzero_si512();
+      v[2 * b] = (__m512bh)_mm512_unpacklo_epi16(lo, hi);
+      v[2 * b + 1] = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
+    }
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[(r0 + r) * (kDecodeChunk / 2) + u / 2]));
+      for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pb, v[c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < 2 * NB; ++c) _mm512_storeu_ps(acc + (r0 + r) * Evp + c0 + 16 * c, a[r][c]);
+  }
+}
+
+// The same with float32 weights and FMAs, each bf16 value row widened into the permuted order.
+// With kGuard a zero weight is skipped, never multiplied.
+template <int RT, int NB, bool kGuard>
+inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
+                            int64_t Evp, float* acc) {
+  __m512 a[RT][2 * NB];
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
+  }
+  const __m512i z = _mm512_setzero_si512();
+  for (int64_t u = 0; u < nk; ++u) {
+    __m512 v[2 * NB];
+    const auto* x = static_cast<const uint16_t*>(vrows[u]) + c0;
+    for (int b = 0; b < NB; ++b) {
+      const __m512i w = _mm512_loadu_si512(x + 32 * b);
+      v[2 * b] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w));
+      v[2 * b + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w));
+    }
+    for (int r = 0; r < RT; ++r) {
+      const float pr = st[(r0 + r) * kDecodeChunk + u];
+      if constexpr (kGuard) {
+        if (pr == 0.0f) continue;
+      }
+      const __m512 pb = _mm512_set1_ps(pr);
+      for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_fmadd_ps(pb, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < 2 * NB; ++c) _mm512_storeu_ps(acc + (r0 + r) * Evp + c0 + 16 * c, a[r][c]);
+  }
+}
+
+template <int RT, int NB>
+inline void pv_tile_permuted(const float* st, const uint32_t* pp, bool dot, bool guard,
+                             const void* const* vrows, int64_t nk, int64_t r0, int64_t c0, int64_t Evp,
+                             float* acc) {
+  if (guard) {
+    pv_tile_widened<RT, NB, true>(st, vrows, nk, r0, c0, Evp, acc);
+  } else if (dot) {
+    pv_tile_dot<RT, NB>(pp, vrows, nk, r0, c0, Evp, acc);
+  } else {
+    pv_tile_widened<RT, NB, false>(st, vrows, nk, r0, c0, Evp, acc);
+  }
+}
+
+template <int RT>
+inline void pv_rows_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
+                             int64_t nk, int64_t r0, int64_t Evp, float* acc) {
+  const bool guard = any_zero_weight(st, r0, RT, nk);
+  int64_t c0 = 0;
+  for (; c0 + 64 <= Evp; c0 += 64) pv_tile_permuted<RT, 2>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc);
+  if (c0 < Evp) pv_tile_permuted<RT, 1>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc);
+}
+
+// P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32), by 4, 2, 1 rows.
+inline void pv_chunk_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
+                              int64_t nk, int64_t R, int64_t Evp, float* acc) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) pv_rows_permuted<4>(st, pp, dot, vrows, nk, r0, Evp, acc);
+  for (; r0 + 2 <= R; r0 += 2) pv_rows_permuted<2>(st, pp, dot, vrows, nk, r0, Evp, acc);
+  for (; r0 < R; ++r0) pv_rows_permuted<1>(st, pp, dot, vrows, nk, r0, Evp, acc);
+}
+
+// The accumulators back in element order: block lane 4k + i of lanes 0-15 is element 8k + i,
+// of lanes 16-31 element 8k + 4 + i.
+inline void unpermute_rows(float* acc, int64_t R, int64_t Evp) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < Evp; c += 32) {
+      float* a = acc + r * Evp + c;
+      const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo, i0, hi));
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
+  }
+}
+
+#else
+constexpr bool kBf16Dot = false;
+inline int64_t q_words(int64_t) { return 0; }
+inline void pack_query_pairs(const float*, int64_t, int64_t, uint32_t*) {}
+inline void dot_scores_tokens4(const uint32_t*, int64_t, int64_t, int64_t, const void* const*, const float*, float*) {}
+inline void dot_scores_token(const uint32_t*, int64_t, int64_t, int64_t, const void*, float, float*) {}
+inline void pack_prob_pairs(const float*, int64_t, uint32_t*) {}
+inline void pv_chunk_permuted(const float*, const uint32_t*, bool, const void* const*, int64_t, int64_t, int64_t,
+                              float*) {}
+inline void unpermute_rows(float*, int64_t, int64_t) {}
+#endif
+
+}  // namespace attn::cpu::ATTN_SIMD_NS
