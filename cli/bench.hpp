@@ -92,9 +92,11 @@ int64_t kv_bytes(const BenchConfig& config);
 
 // How many copies of K/V the decode timing rotates among, for copies of `copy_bytes` each, a
 // last-level cache of `llc_bytes` (0: unknown, taken as 512 MiB) and `available_bytes` of free
-// memory (0: unknown). Wanted: one copy if it alone is >= 2x the LLC, else
-// ceil(2 * LLC / copy) + 1 (at least 2), so that a copy is evicted before it is read again. The
-// copies may use at most half the available memory: `count` is then smaller than `wanted`.
+// memory (0: unknown). Wanted: one copy if it alone is >= kRotationLlcs x the LLC, else
+// ceil(kRotationLlcs * LLC / copy) + 1 (at least 2), so that a copy is evicted before it is read
+// again and what an adaptive LLC keeps of the rotation is a small share of it. The copies may use
+// at most half the available memory: `count` is then smaller than `wanted`.
+constexpr int64_t kRotationLlcs = 8;
 struct KvCopies {
   int64_t count = 1;
   int64_t wanted = 1;

@@ -21,7 +21,7 @@
 # and built against the ggml build's headers and libraries, that times ggml_flash_attn_ext on our
 # exact shapes as `attn bench` times attn: q f32 (B, H_q, L, E), K/V (B, H_kv, S, E) in f32 or
 # f16, GQA by broadcast, no mask for L=1 (bottom-right causal mask for L > 1), THREADS threads,
-# calls rotating among enough K/V copies (ceil(2*LLC/copy)+1, at least 2, or one copy >= 2*LLC,
+# calls rotating among enough K/V copies (ceil(8*LLC/copy)+1, at least 2, or one copy >= 8*LLC,
 # at most half the free memory) that K/V come from memory, median of REPEATS calls after WARMUP,
 # plus the warm figure (copy 0 on every call). One line per shape, with GB/s of K/V read.
 #
@@ -184,8 +184,8 @@ int main(int argc, char** argv) {
   const int64_t kv_bytes = B * Hkv * S * 2 * E * (int64_t)ggml_type_size(kv_type);
   const int64_t llc = llc_bytes() > 0 ? llc_bytes() : (int64_t)512 << 20;
   int64_t copies = 1, wanted = 1;
-  if (kv_bytes < 2 * llc) {
-    wanted = (2 * llc + kv_bytes - 1) / kv_bytes + 1;
+  if (kv_bytes < 8 * llc) {
+    wanted = (8 * llc + kv_bytes - 1) / kv_bytes + 1;
     if (wanted < 2) wanted = 2;
     copies = wanted;
     const int64_t avail = available_bytes();
