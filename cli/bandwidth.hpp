@@ -32,7 +32,7 @@ struct BandwidthResult {
   std::string isa;         // "avx512f", "avx2" or "generic"
 };
 
-// The array size the probe uses: 4x the last-level cache (1 GiB if unknown), at least 256 MiB,
+// The array size the probe uses: 8x the last-level cache (1 GiB if unknown), at least 256 MiB,
 // at most a quarter of the available memory.
 int64_t bandwidth_array_bytes();
 

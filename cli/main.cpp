@@ -96,7 +96,7 @@ int run(int argc, char** argv) {
       "peak measured in the same run on the same threads, peak RSS and the BLAS core.\n"
       "Decode mode, L <= 16 (forward): the K/V bytes read per second (B*Hkv*S*(E+Ev) elements\n"
       "per call: each kv head once, also under GQA) against the read bandwidth measured in the\n"
-      "same run (STREAM-like sum over an array of 4x the last-level cache) and their ratio; the\n"
+      "same run (STREAM-like sum over an array of 8x the last-level cache) and their ratio; the\n"
       "timed calls rotate among enough copies of K/V (8x the last-level cache and more) that K/V\n"
       "come from memory, and a warm figure (one copy every call) is shown beside it.\n"
       "Decoding several new tokens: --seq 16 --seq-kv 8192 --causal --causal-align bottom-right.");

@@ -556,7 +556,7 @@ def render_decode(args, rows, skipped, bandwidth, torch_version, machine, starte
         "(one 64 MiB copy on a 32 MiB LLC read 1.2 ms per call where three took 1.5-1.7). "
         "`attn warm` reads the same copy on every call (partly from the cache).",
         "- bandwidth: `attn bench`'s read probe in the same run, same threads (STREAM-like vector "
-        "sum over an array of 4× the LLC, median of 7 passes; `attn bench --peak-only`); % of "
+        "sum over an array of 8× the LLC, median of 7 passes; `attn bench --peak-only`); % of "
         "bandwidth = attn GB/s / that. attn / torch = torch ms / attn ms: above 1x attn is faster.",
         "- ggml (`test-backend-ops perf -o FLASH_ATTN_EXT`, and a rotating-copies program for the "
         "shapes it lacks): `scripts/bench_ggml.sh`, not in this table.",
