@@ -267,12 +267,15 @@ std::string bf16_why_not(const SdpaKernel& k, const SdpaProblem& p, const SdpaOp
 // second than the FMA units, the float32 kernel on widened inputs is the faster bf16 path.
 constexpr double kBf16DotMinSpeedup = 0.9;
 
-std::string bf16_auto_declines() {
+std::string dot_unit_declines(const char* instead) {
   const double s = cpu::unit_rates().bf16_dot_speedup();
   if (s >= kBf16DotMinSpeedup) return "";
-  return fmt::format("kAuto prefers cpu.flash.avx512 (widened) on this CPU: vdpbf16ps measured at "
-                     "{:.2f}x the float32 FMA rate", s);
+  return fmt::format("kAuto prefers {} on this CPU: vdpbf16ps measured at {:.2f}x the float32 FMA "
+                     "rate", instead, s);
 }
+std::string bf16_auto_declines() { return dot_unit_declines("cpu.flash.avx512 (widened)"); }
+// The bf16 decode build differs from cpu.decode.avx512 only where it multiplies on the dot unit.
+std::string decode_bf16_auto_declines() { return dot_unit_declines("cpu.decode.avx512"); }
 
 // The table for the call: the AVX512-BF16 kernel takes bf16 only, the AMX one also fp16 and
 // float32 at precision "high" (three bf16 terms) or "medium" (one).
@@ -329,7 +332,7 @@ const SdpaKernel kKernels[] = {
     {"cpu.decode.avx512_bf16", SdpaBackend::kFused,
      kAvx512f | kAvx512vl | kAvx512dq | kAvx512bw | kAvx512Bf16 | kFma, kFusedDtypes, 510,
      decode_why_not, decode_forward<decode_kernel_avx512_bf16>, decode_backward<flash_kernel_avx512>,
-     nullptr, true, decode_kernel_avx512_bf16},
+     decode_bf16_auto_declines, true, decode_kernel_avx512_bf16},
     {"cpu.decode.avx512", SdpaBackend::kFused, kAvx512f | kAvx512vl | kAvx512dq | kFma,
      kFusedDtypes, 500, decode_why_not, decode_forward<decode_kernel_avx512>,
      decode_backward<flash_kernel_avx512>, nullptr, true, decode_kernel_avx512},
@@ -400,6 +403,7 @@ const cpu::DecodeKernel& select_decode_kernel(std::string_view name, std::string
     decoders += fmt::format("{}{}", decoders.empty() ? "" : ", ", k.name);
     if (!name.empty() && k.name != name) continue;
     const std::string missing = missing_features(k);
+    if (name.empty() && missing.empty() && k.auto_declines != nullptr && !k.auto_declines().empty()) continue;
     if (missing.empty()) return k.decode();
     if (!name.empty()) {
       throw ValueError(fmt::format("{}: kernel '{}' cannot run here: {}", caller, k.name, missing));
