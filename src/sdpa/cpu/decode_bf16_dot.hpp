@@ -159,7 +159,9 @@ inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk
       v[2 * b + 1] = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
     }
     for (int r = 0; r < RT; ++r) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[(r0 + r) * (kDecodeChunk / 2) + u / 2]));
+      int32_t pair;  // memcpy: the workspace holds floats; the pair was stored as a vector
+      std::memcpy(&pair, pp + (r0 + r) * (kDecodeChunk / 2) + u / 2, sizeof pair);
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
       for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pb, v[c]);
     }
   }
