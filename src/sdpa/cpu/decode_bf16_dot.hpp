@@ -93,12 +93,7 @@ inline void dot_scores_rows4_tokens4(const uint32_t* q2, int64_t words, int64_t 
   for (int t = 0; t < 4; ++t) {
     for (int r = 0; r < 4; ++r) acc[t][r] = to_vf(a[t][r]);
   }
-  const __m512 x = _mm512_mul_ps(hsum16(acc), _mm512_broadcast_f32x4(_mm_loadu_ps(s)));
-  float* out = st + r0 * kDecodeChunk;  // lane 4 r + t: row r, token t
-  _mm_storeu_ps(out, _mm512_extractf32x4_ps(x, 0));
-  _mm_storeu_ps(out + kDecodeChunk, _mm512_extractf32x4_ps(x, 1));
-  _mm_storeu_ps(out + 2 * kDecodeChunk, _mm512_extractf32x4_ps(x, 2));
-  _mm_storeu_ps(out + 3 * kDecodeChunk, _mm512_extractf32x4_ps(x, 3));
+  store_scores4x4(acc, s, st + r0 * kDecodeChunk);
 }
 
 // Four tokens' scores for all R rows: rows by four, the rest one by one.
@@ -224,13 +219,10 @@ inline void pv_rows_permuted(const float* st, const uint32_t* pp, bool dot, cons
   if (c0 < Evp) pv_tile_permuted<RT, 1>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc);
 }
 
-// P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32), by 4, 2, 1 rows.
+// P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32).
 inline void pv_chunk_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
                               int64_t nk, int64_t R, int64_t Evp, float* acc) {
-  int64_t r0 = 0;
-  for (; r0 + 4 <= R; r0 += 4) pv_rows_permuted<4>(st, pp, dot, vrows, nk, r0, Evp, acc);
-  for (; r0 + 2 <= R; r0 += 2) pv_rows_permuted<2>(st, pp, dot, vrows, nk, r0, Evp, acc);
-  for (; r0 < R; ++r0) pv_rows_permuted<1>(st, pp, dot, vrows, nk, r0, Evp, acc);
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, pp, dot, vrows, nk, r0, Evp, acc); });
 }
 
 // The accumulators back in element order: block lane 4k + i of lanes 0-15 is element 8k + i,

@@ -299,14 +299,21 @@ inline void pv_rows(const float* st, const void* const* vrows, int64_t nk, int64
   }
 }
 
-// P.V for all rows of the chunk, in register tiles of 4, 2 and 1 rows.
+// rows(r0) for register tiles of RT = 4, 2 and 1 rows covering [0, R) (rows: a lambda
+// templated on RT).
+template <typename Rows>
+inline void by_row_tiles(int64_t R, Rows rows) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) rows.template operator()<4>(r0);
+  for (; r0 + 2 <= R; r0 += 2) rows.template operator()<2>(r0);
+  for (; r0 < R; ++r0) rows.template operator()<1>(r0);
+}
+
+// P.V for all rows of the chunk.
 template <KvType T>
 inline void pv_chunk(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp,
                      float* acc) {
-  int64_t r0 = 0;
-  for (; r0 + 4 <= R; r0 += 4) pv_rows<T, 4>(st, vrows, nk, r0, Evp, acc);
-  for (; r0 + 2 <= R; r0 += 2) pv_rows<T, 2>(st, vrows, nk, r0, Evp, acc);
-  for (; r0 < R; ++r0) pv_rows<T, 1>(st, vrows, nk, r0, Evp, acc);
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc); });
 }
 
 // The sums of four vectors' lanes, as {sum a0, sum a1, sum a2, sum a3}: one transposing
@@ -458,6 +465,15 @@ inline __m512 hsum16(const vf (&acc)[4][4]) {
   return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xdd));
 }
 
+// out[r * kDecodeChunk + t] = s[t] * (the sum of acc[t][r]'s lanes), for a tile of 4 rows x 4 tokens.
+inline void store_scores4x4(const vf (&acc)[4][4], const float* s, float* out) {
+  const __m512 x = _mm512_mul_ps(hsum16(acc), _mm512_broadcast_f32x4(_mm_loadu_ps(s)));  // lane 4 r + t
+  _mm_storeu_ps(out, _mm512_extractf32x4_ps(x, 0));
+  _mm_storeu_ps(out + kDecodeChunk, _mm512_extractf32x4_ps(x, 1));
+  _mm_storeu_ps(out + 2 * kDecodeChunk, _mm512_extractf32x4_ps(x, 2));
+  _mm_storeu_ps(out + 3 * kDecodeChunk, _mm512_extractf32x4_ps(x, 3));
+}
+
 // st[r * kDecodeChunk + t] = s[t] * (q_r . k_t) for rows [r0, r0 + 4) and four key rows of type T.
 template <KvType T>
 inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const void* const* k,
@@ -471,12 +487,7 @@ inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const v
       for (int t = 0; t < 4; ++t) acc[t][r] += qv * kv[t];
     }
   }
-  const __m512 x = _mm512_mul_ps(hsum16(acc), _mm512_broadcast_f32x4(_mm_loadu_ps(s)));
-  float* out = st + r0 * kDecodeChunk;
-  _mm_storeu_ps(out, _mm512_extractf32x4_ps(x, 0));
-  _mm_storeu_ps(out + kDecodeChunk, _mm512_extractf32x4_ps(x, 1));
-  _mm_storeu_ps(out + 2 * kDecodeChunk, _mm512_extractf32x4_ps(x, 2));
-  _mm_storeu_ps(out + 3 * kDecodeChunk, _mm512_extractf32x4_ps(x, 3));
+  store_scores4x4(acc, s, st + r0 * kDecodeChunk);
 }
 
 // Four tokens' scores for R < W rows: rows by four, the rest as scores_token does. k[t] are
