@@ -43,10 +43,18 @@ ATTN_OPS = ("attn.sdpa_forward", "attn.sdpa_backward")  # attn.torch's record_fu
 
 
 def cpu_model() -> str:
+    """The CPU's model name with its family and model numbers: "AMD EPYC" alone names Zen 4 and
+    Zen 5 alike, whose kernels and figures differ."""
+    fields = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break  # the first processor's block is enough
+    name = fields.get("model name", "unknown")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def make_model(dtype, layers):
