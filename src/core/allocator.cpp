@@ -1,4 +1,4 @@
-// The bounded cache of freed tensor blocks (attn/memory.hpp).
+// Tensor storage: the bounded cache of freed blocks (attn/memory.hpp), and huge pages for large ones.
 //
 // Few blocks are large (a call holds tens at most), so the cache is a short vector scanned under
 // one mutex: the scan costs nanoseconds against the microseconds per MiB that clearing fresh pages
@@ -11,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "attn/memory.hpp"
@@ -20,6 +21,28 @@ namespace attn {
 namespace {
 
 constexpr std::size_t kAlign = 64;
+
+// Large blocks start on a 2 MiB boundary, span whole 2 MiB pages and ask Linux for transparent
+// huge pages (its default mode, "madvise", gives them only to regions that ask). Decoding reads a
+// KV cache of tens or hundreds of MiB once per token, and with 4 KiB pages every 4 KiB of it costs
+// a TLB miss and a page walk the prefetches must wait on; a paged cache, whose pages lie anywhere
+// in its pool, loses more. Measured on AMD Zen 4 (attn bench, 2 threads, H_q 32, H_kv 8, E 128,
+// S 8192, old and new binaries alternating, medians of 4): float32 K/V 2.53 -> 2.31 ms, bf16 K/V
+// 1.52 -> 1.31 ms, bf16 in pages of 16 1.65 -> 1.30 ms, float32 in pages of 16 2.67 -> 2.55 ms;
+// prefill (forward float32, backward bf16, L 1024) unchanged. The rounding wastes at most 2 MiB
+// of address space per block of 4 MiB or more.
+constexpr std::size_t kHugePageMin = std::size_t{4} << 20;
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
+void* allocate_fresh(std::size_t& bytes) {
+  if (bytes < kHugePageMin) return std::aligned_alloc(kAlign, bytes);
+  bytes = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, bytes);
+#ifdef MADV_HUGEPAGE
+  if (p != nullptr) madvise(p, bytes, MADV_HUGEPAGE);  // advice only: a refusal changes nothing
+#endif
+  return p;
+}
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr bool kSanitized = true;
@@ -96,7 +119,7 @@ Block allocate_block(std::size_t bytes) {
     }
     ++c.stats.misses;
   }
-  void* p = std::aligned_alloc(kAlign, bytes);
+  void* p = allocate_fresh(bytes);
   return p == nullptr ? Block{} : Block{p, bytes};
 }
 

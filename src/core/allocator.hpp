@@ -1,4 +1,5 @@
-// Tensor storage: 64-byte aligned blocks, large ones kept for reuse (attn/memory.hpp).
+// Tensor storage: 64-byte aligned blocks, those of 4 MiB or more 2 MiB aligned on transparent huge
+// pages (allocator.cpp), large ones kept for reuse (attn/memory.hpp).
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,6 @@
 // The reuse cache of large tensor blocks (attn/memory.hpp): reuse, the fit rule, the limit,
-// empty_cache, zeros on reused memory, and concurrent use. Each test sets the limit itself (the
-// sanitizer builds start at 0) and puts back the one it found.
+// empty_cache, zeros on reused memory, huge-page blocks, and concurrent use. Each test sets the
+// limit itself (the sanitizer builds start at 0) and puts back the one it found.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -68,7 +68,22 @@ TEST_F(CacheTest, TheSmallestFittingBlockIsTaken) {
     Tensor a = Tensor::empty({floats(6)}), b = Tensor::empty({floats(4)}), c = Tensor::empty({floats(5)});
   }
   Tensor t = Tensor::empty({floats(4) - 100});
-  EXPECT_EQ(cache_stats().cached_bytes, 11 * kMiB);  // the 4 MiB block went
+  EXPECT_EQ(cache_stats().cached_bytes, 12 * kMiB);  // the 4 MiB block went; 5 MiB took a 6 MiB block
+}
+
+// Blocks of 4 MiB or more are whole 2 MiB pages on a 2 MiB boundary, so Linux can back them with
+// transparent huge pages (allocator.cpp); smaller ones keep the C library's 64-byte blocks.
+TEST_F(CacheTest, BlocksOfFourMiBOrMoreAreWholeHugePages) {
+  constexpr std::uintptr_t kHuge = 2 * kMiB;
+  {
+    Tensor big = Tensor::empty({floats(5) + 1});  // 5 MiB + 4 bytes: three 2 MiB pages
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(big.raw_data()) % kHuge, 0u);
+    big.data()[big.numel() - 1] = 1.0f;
+  }
+  EXPECT_EQ(cache_stats().cached_bytes, 6 * kMiB);
+  empty_cache();
+  { Tensor small = Tensor::empty({floats(3) + 1}); }  // under 4 MiB: rounded to 64 bytes only
+  EXPECT_EQ(cache_stats().cached_bytes, 3 * kMiB + 64);
 }
 
 TEST_F(CacheTest, KeptBytesNeverExceedTheLimitAndTheOldestGoFirst) {
