@@ -4,8 +4,9 @@
 // STREAM-like, read only: each thread sums its own contiguous share of one large float array with
 // vector adds into several independent accumulators, so the loop is bound by the loads and not by
 // the add latency. The array is several times the last-level cache (read from sysfs), so every pass
-// comes from DRAM; it is written first by the same threads with the same partition (first touch,
-// and the pages are resident before timing). A pass is timed from a barrier to the end of the
+// comes from DRAM, on the library's own tensor pages (huge pages where Linux gives them, as the
+// K/V's); it is written first by the same threads with the same partition (first touch, and the
+// pages are resident before timing). A pass is timed from a barrier to the end of the
 // parallel region (the slowest thread included); the result is the median pass, in GB/s of 1e9
 // bytes. The ISA is picked at run time as in peak.cpp (AVX-512F, AVX2, else portable vectors).
 #pragma once
