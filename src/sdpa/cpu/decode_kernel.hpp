@@ -51,9 +51,10 @@ constexpr int64_t kPrefetchAhead = 16;  // key rows
 // core's few L1 miss buffers until its line arrives from memory, so the stream stalls on them
 // while the core computes; L2 tracks many more misses, and the L1's own stream prefetcher
 // brings the lines the last step from L2. Measured on AMD Zen 4 (2 threads, H_q 32, H_kv 8,
-// E 128, S 8192): float32 K/V 3.5-3.7 -> 2.6 ms (61-70 -> 89-92 % of the read probe), bf16
-// K/V 1.93 -> 1.50 ms, H_kv 32: 11.1-11.7 -> 9.0-9.6 ms; one thread 6.9-7.0 -> 4.5-4.7 ms.
-// Prefetching 32, 64 or 128 rows ahead instead of 16 measured no better.
+// E 128, S 8192, 4 KiB pages then): float32 K/V 3.5-3.7 -> 2.6 ms, bf16 K/V 1.93 -> 1.50 ms,
+// H_kv 32: 11.1-11.7 -> 9.0-9.6 ms; one thread 6.9-7.0 -> 4.5-4.7 ms. Prefetching 32, 64 or 128
+// rows ahead instead of 16, or 8-16 KiB ahead whatever the row size, measured no better; no
+// software prefetch at all was 1.2-1.6x slower.
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality 2 is prefetcht1
 
 inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
