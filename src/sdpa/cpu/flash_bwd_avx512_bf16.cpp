@@ -19,8 +19,9 @@
 //   dop  (L/2, Evp)          dO likewise                           (dV += P^T dO)
 //   kp   (256/2, Ep)         the group's K as pairs of key rows    (dQ += dS K)
 //   st, dpt (64, 32) f32     S^T -> P^T -> dS^T, and dP^T of one key block, one lane per query
-//   ppq, dsq (64, 16) u32    P^T and dS^T rows as query pairs (the A of dV and dK)
-//   dsk  (32, 32) u32        dS^T as key pairs per query lane (the A of dQ)
+//   ppq, ppl (64, 16) u32    P^T rows as query pairs, hi and lo terms (the A of dV)
+//   dsq  (64, 16) u32        dS^T rows as query pairs, one term (the A of dK)
+//   dsk, dskl (32, 32) u32   dS^T as key pairs per query lane, hi and lo (the A of dQ)
 //   dkb, dvb (256, Ep/Evp)   float32 dK, dV of the key group, written once per group
 //   dq   (L, Ep) f32         dQ of the range, written whole at the end
 // Ep, Evp: E, Ev rounded up to 16; E2, Ev2: halves rounded up. Padded queries have P = 0 and zero
@@ -28,12 +29,14 @@
 // Memory traffic per key group: Q, dO (packed twice each, bf16) and the float32 dQ rows stream
 // once, as in the float32 kernel, at half its bytes for the inputs.
 //
-// Numerics: S and dP are products of bf16 inputs, exact in float32. P (for dV) and dS (for dK, dQ)
-// enter their products as two bf16 terms (hi + lo, 16 significant bits; two vdpbf16ps on the same
-// loads of the other operand). Rounded to one term, as FlashAttention's bf16 backward does, they
-// put dQ and dV at 2.1-2.3x the error of the float32 reference rounded to bf16 on the accuracy
-// sweep (tests/sdpa/test_low_precision.cpp), over the 2x the rule allows, and dK at 1.74x; with
-// two terms all three are at 1.0x (the output rounding dominates), for 3 more products of 10.
+// Numerics: S and dP are products of bf16 inputs, exact in float32. P (for dV) and dS (for dQ)
+// enter their products as two bf16 terms (hi + lo, 16 significant bits or more; two vdpbf16ps on
+// the same loads of the other operand), dS for dK as one (bf16, nearest even), as FlashAttention's
+// bf16 backward rounds all three. One term for all three put dQ and dV at 2.1-2.3x the error of
+// the float32 reference rounded to bf16 on the accuracy sweep (tests/sdpa/test_low_precision.cpp),
+// over the 2x the rule allows, and dK at 1.74x; with two terms dQ and dV are at 1.0x (the output
+// rounding dominates). The key loop so runs 7 product passes (one term everywhere: 5; two: 8);
+// dK's second term had cost 11 % of the time (AMD Zen 4, L=1024 E=128: 68.8 -> 61.1 ms without it).
 // The registry sends NaN/Inf inputs to the float32 kernel (widened), so no guard is needed here.
 #include <immintrin.h>
 
@@ -112,42 +115,67 @@ void dropout_grad(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64_
   }
 }
 
-inline __m512 widen_bf16(__m256bh h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+// The bf16 operands of a key block's three gradient products, written in one pass over P^T and
+// dP^T (a single read of each, no float32 dS^T stored in between):
+//   pq, pl  (nk, 16)       P_d^T rows as query pairs, two terms          (A of dV += P_d^T dO)
+//   sq      (nk, 16)       dS^T rows as query pairs, one term            (A of dK += dS^T Q)
+//   sk, sl  (nk2, 32)      dS^T as key pairs per query lane, two terms   (A of dQ += dS K)
+// dS = P (dP - D) scale, P the undropped weights; an odd nk pairs its last key with a zero key.
+// Two terms: hi = x with its low 16 bits cleared (truncation: exact, and a NaN stays NaN as
+// arithmetic NaNs are quiet, bit 22 set) and lo = bf16(x - hi), nearest even: 16 significant bits
+// or more, x - hi - lo within 2^-16 |x|. dK's one term is bf16(dS), nearest even (see the header).
+struct BlockOperands {
+  uint32_t *pq, *pl, *sq, *sk, *sl;
+};
+
+inline __m512 high_half(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// x as two bf16 terms, hi = bf16(x) and lo = bf16(x - hi): 16 significant bits in all.
-inline void split_terms(__m512 x, __m256bh& hi, __m256bh& lo) {
-  hi = _mm512_cvtneps_pbh(x);
-  lo = _mm512_cvtneps_pbh(_mm512_sub_ps(x, widen_bf16(hi)));
+// Words (a0, a1, ..., a15, b0, ..., b15) -> pairs (a0, b0), (a1, b1), ... as 32-bit lanes.
+inline __m512i interleave_words(__m512i ab) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                       20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, ab);
 }
 
-inline __m512i interleave(__m256bh even, __m256bh odd) {
-  return _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)even), _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)odd), 16));
+// The 32 query lanes of x0 (0..15), x1 (16..31) as 16 query pairs: their high halves, in order.
+inline __m512i high_words(__m512 x0, __m512 x1) {
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
+                                       21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(_mm512_castps_si512(x0), odd, _mm512_castps_si512(x1));
 }
 
-// Rows [0, nk) of st (32 lanes each) as 16 query pairs per row, in two terms (hi, lo).
-void query_pairs(const float* st, int64_t nk, uint32_t* hi, uint32_t* lo) {
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    __m256bh h0, l0, h1, l1;
-    split_terms(_mm512_loadu_ps(st + jj * kBQ), h0, l0);
-    split_terms(_mm512_loadu_ps(st + jj * kBQ + 16), h1, l1);
-    // lanes 0..15 then 16..31: (x0, x1), (x2, x3), ... as 32-bit words
-    _mm512_storeu_si512(hi + jj * 16, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)h0), (__m256i)h1, 1));
-    _mm512_storeu_si512(lo + jj * 16, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)l0), (__m256i)l1, 1));
-  }
-}
-
-// st as key pairs per query lane, (nk2, 32), in two terms; an odd nk pairs with a zero row.
-void key_pairs(float* st, int64_t nk, uint32_t* hi, uint32_t* lo) {
-  if (nk % 2 != 0) std::memset(st + nk * kBQ, 0, kBQ * sizeof(float));
+void block_operands(const float* st, const float* pd, const float* dpt, int64_t nk, __m512 d0, __m512 d1, __m512 scale,
+                    const BlockOperands& o) {
   for (int64_t j2 = 0; j2 < (nk + 1) / 2; ++j2) {
-    for (int h = 0; h < 2; ++h) {
-      __m256bh he, le, ho, lo_;
-      split_terms(_mm512_loadu_ps(st + 2 * j2 * kBQ + h * 16), he, le);
-      split_terms(_mm512_loadu_ps(st + (2 * j2 + 1) * kBQ + h * 16), ho, lo_);
-      _mm512_storeu_si512(hi + j2 * kBQ + h * 16, interleave(he, ho));
-      _mm512_storeu_si512(lo + j2 * kBQ + h * 16, interleave(le, lo_));
+    __m512 ds[2][2];  // [key of the pair][half of the query lanes]
+    for (int64_t t = 0; t < 2; ++t) {
+      const int64_t jj = 2 * j2 + t;
+      if (jj >= nk) {
+        ds[t][0] = ds[t][1] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 pv[2];
+      for (int hh = 0; hh < 2; ++hh) {
+        const __m512 p = _mm512_loadu_ps(st + jj * kBQ + hh * 16);
+        const __m512 dp = _mm512_sub_ps(_mm512_loadu_ps(dpt + jj * kBQ + hh * 16), hh == 0 ? d0 : d1);
+        ds[t][hh] = _mm512_mul_ps(_mm512_mul_ps(p, dp), scale);
+        pv[hh] = pd == st ? p : _mm512_loadu_ps(pd + jj * kBQ + hh * 16);
+      }
+      const __m512 r0 = _mm512_sub_ps(pv[0], high_half(pv[0])), r1 = _mm512_sub_ps(pv[1], high_half(pv[1]));
+      _mm512_storeu_si512(o.pq + jj * 16, high_words(pv[0], pv[1]));
+      _mm512_storeu_si512(o.pl + jj * 16, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+      _mm512_storeu_si512(o.sq + jj * 16, (__m512i)_mm512_cvtne2ps_pbh(ds[t][1], ds[t][0]));
+    }
+    for (int hh = 0; hh < 2; ++hh) {
+      const __m512 e = ds[0][hh], od = ds[1][hh];
+      const __m512 eh = high_half(e), oh = high_half(od);
+      // (e >> 16) | high(od): the pair of high halves, key 2 j2 in the low word
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(e), 16), _mm512_castps_si512(oh));
+      const __m512i lo = interleave_words((__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(od, oh), _mm512_sub_ps(e, eh)));
+      _mm512_storeu_si512(o.sk + j2 * kBQ + hh * 16, hi);
+      _mm512_storeu_si512(o.sl + j2 * kBQ + hh * 16, lo);
     }
   }
 }
@@ -162,7 +190,7 @@ void lse_base2(const float* lse, int64_t i0, int64_t n, float* lse2) {
 
 int64_t backward_workspace_bytes(int64_t L, int64_t E, int64_t Ev) {
   const int64_t lp = padded_rows(L), ep = r16(E), evp = r16(Ev), e2 = (E + 1) / 2, ev2 = (Ev + 1) / 2;
-  const int64_t words = lp * (e2 + ev2) + lp / 2 * (ep + evp) + kGK / 2 * ep + 2 * (2 * kBK * 16 + kBK / 2 * kBQ);
+  const int64_t words = lp * (e2 + ev2) + lp / 2 * (ep + evp) + kGK / 2 * ep + 3 * kBK * 16 + 2 * (kBK / 2 * kBQ);
   const int64_t floats = lp * ep + 2 * lp + 3 * kBK * kBQ + kGK * (ep + evp);
   return 4 * (words + floats) + 64;
 }
@@ -235,8 +263,7 @@ void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
   uint32_t* dsq = ppq + kBK * 16;
   uint32_t* dsk = dsq + kBK * 16;
   uint32_t* ppl = dsk + kBK / 2 * kBQ;
-  uint32_t* dsql = ppl + kBK * 16;
-  uint32_t* dskl = dsql + kBK * 16;
+  uint32_t* dskl = ppl + kBK * 16;
   auto* dq = reinterpret_cast<float*>(dskl + kBK / 2 * kBQ);
   float* lse2 = dq + lp * ep;
   float* dd = lse2 + lp;
@@ -285,21 +312,12 @@ void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
           dropout_grad(p, qb, j0, nk, dpt);
           pd = pdt;
         }
+        block_operands(st, pd, dpt, nk, d0, d1, scale, {ppq, ppl, dsq, dsk, dskl});
         // dV_blk (nk x Ev) += P_d^T (nk x 32) @ dO rows (32 x Ev)
-        query_pairs(pd, nk, ppq, ppl);
         pairs_update(ppq, 16, 1, dop + i0 / 2 * evp, evp, kBQ / 2, nk, evp, dvb + kk * evp, evp, ppl);
-        for (int64_t jj = 0; jj < nk; ++jj) {
-          for (int hh = 0; hh < 2; ++hh) {
-            const __m512 pv = _mm512_loadu_ps(st + jj * kBQ + hh * 16);
-            const __m512 dp = _mm512_sub_ps(_mm512_loadu_ps(dpt + jj * kBQ + hh * 16), hh == 0 ? d0 : d1);
-            _mm512_storeu_ps(st + jj * kBQ + hh * 16, _mm512_mul_ps(_mm512_mul_ps(pv, dp), scale));
-          }
-        }
         // dK_blk (nk x E) += dS^T (nk x 32) @ Q rows (32 x E)
-        query_pairs(st, nk, dsq, dsql);
-        pairs_update(dsq, 16, 1, qp + i0 / 2 * ep, ep, kBQ / 2, nk, ep, dkb + kk * ep, ep, dsql);
+        pairs_update(dsq, 16, 1, qp + i0 / 2 * ep, ep, kBQ / 2, nk, ep, dkb + kk * ep, ep);
         // dQ rows (32 x E) += dS (32 x nk) @ K rows (nk x E)
-        key_pairs(st, nk, dsk, dskl);
         pairs_update(dsk, 1, kBQ, kp + kk / 2 * ep, ep, (nk + 1) / 2, kBQ, ep, dq + i0 * ep, ep, dskl);
       }
     }
