@@ -30,10 +30,13 @@ bool all_finite_16(const TensorView& t, int threads) {
   // Rows on `threads` threads, as the float32 all_finite: a serial scan of the inputs cost a
   // few percent of a backward call.
   const int64_t cols = t.size(-1), rows = cols > 0 ? t.numel() / cols : 0;
+  const RowWalk walk(t);  // memory order
   bool ok = true;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(&& : ok) if (rows * cols > 65536)
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* row = bits + row_offset(t, r);
+    int64_t from, to;
+    walk.at(r, from, to);
+    const uint16_t* row = bits + from;
     unsigned bad = 0;
     for (int64_t e = 0; e < cols; ++e) bad |= (row[e] & exponent) == exponent;
     ok = ok && bad == 0;
