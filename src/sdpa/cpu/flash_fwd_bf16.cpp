@@ -20,28 +20,8 @@
 namespace attn::cpu {
 
 bool all_finite_16(const TensorView& t, int threads) {
-  const auto* bits = static_cast<const uint16_t*>(t.raw_data());
-  const uint16_t exponent = t.dtype() == DType::kFloat16 ? 0x7c00u : 0x7f80u;  // all ones: Inf or NaN
-  if (t.stride(-1) != 1) {
-    bool ok = true;
-    for_each_offset(t, [&](int64_t o) { ok = ok && (bits[o] & exponent) != exponent; });
-    return ok;
-  }
-  // Rows on `threads` threads, as the float32 all_finite: a serial scan of the inputs cost a
-  // few percent of a backward call.
-  const int64_t cols = t.size(-1), rows = cols > 0 ? t.numel() / cols : 0;
-  const RowWalk walk(t);  // memory order
-  bool ok = true;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(&& : ok) if (rows * cols > 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t from, to;
-    walk.at(r, from, to);
-    const uint16_t* row = bits + from;
-    unsigned bad = 0;
-    for (int64_t e = 0; e < cols; ++e) bad |= (row[e] & exponent) == exponent;
-    ok = ok && bad == 0;
-  }
-  return ok;
+  // All exponent bits set: Inf or NaN.
+  return no_inf_or_nan<uint16_t>(t, t.dtype() == DType::kFloat16 ? 0x7c00u : 0x7f80u, threads);
 }
 
 SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q_in,
