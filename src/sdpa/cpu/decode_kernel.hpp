@@ -54,7 +54,14 @@ constexpr int64_t kPrefetchAhead = 16;  // key rows
 // E 128, S 8192, 4 KiB pages then): float32 K/V 3.5-3.7 -> 2.6 ms, bf16 K/V 1.93 -> 1.50 ms,
 // H_kv 32: 11.1-11.7 -> 9.0-9.6 ms; one thread 6.9-7.0 -> 4.5-4.7 ms. Prefetching 32, 64 or 128
 // rows ahead instead of 16, or 8-16 KiB ahead whatever the row size, measured no better; no
-// software prefetch at all was 1.2-1.6x slower.
+// software prefetch at all was 1.2-1.6x slower. Also tried on huge pages and measured no better
+// (float32, alternating): a line in every 2, 4 or 8 (1 thread 4.6 -> 5.6-6.5 ms: the hardware
+// does not fill the gaps); the next chunk's keys prefetched during P.V instead of 16 rows ahead
+// (4.1 -> 4.8 ms); keys and values as one stream 8-48 rows ahead (3.8 -> 4.9-5.1 ms); no value
+// prefetch (no faster from contiguous K/V, 2.62 -> 2.94 ms with 16-token pages). Where the time
+// goes: one thread takes about the sum of its arithmetic (~120 cycles per token at H_q/H_kv = 4,
+// E 128, a quarter of it on the prefetch instructions) and its memory time, so two threads reach
+// ~75 % of the read probe, not the probe itself.
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality 2 is prefetcht1
 
 inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
@@ -449,6 +456,14 @@ inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, f
 // E = 128 and four rows that was 32 loads of q per token against 8 of the key). The 16 sums
 // (4 rows x 4 tokens) are reduced in one transposing butterfly, adding lanes l and l + 8, then
 // l + 4, l + 2, l + 1 as hsum4 does, so each score has the bits dot_rows4 gives it.
+// The four key rows are read side by side (a vector of each in turn), not each from its start to
+// its end, although memory order is what the hardware prefetchers follow: a synthetic read of
+// the same bytes with the same arithmetic took 3.6 ms side by side against 2.1 ms in order
+// without software prefetch, but this kernel's prefetches (below) already issue every line in
+// order. Token by token, float32, measured on Zen 4 (H_q 32, H_kv 8, E 128, S 8192, 2 threads,
+// 6 alternating rounds): 2.43 ms against 2.45 from memory, beyond noise nowhere, while from cache
+// (H_q 4, H_kv 1, S 1024, 1 thread) it took 0.052 ms against 0.034 (40 loads per 32 FMAs and a
+// reduction per token; with three query rows held in registers, 0.038).
 constexpr bool kScoresByFour = true;
 
 inline __m512 to_m512(vf x) {
