@@ -138,12 +138,15 @@ inline void pack_prob_pairs(const float* sr, int64_t nk, uint32_t* ppr) {
 // acc's permuted blocks [c0, c0 + 32 NB) += P[rows] . V over the chunk's token pairs.
 template <int RT, int NB>
 inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
-                        int64_t Evp, float* acc) {
+                        int64_t Evp, float* acc, PvPrefetch pf) {
+  const int64_t pf_n = r0 == 0 ? pf.n : 0;  // once per chunk, by the first row tile
   __m512 a[RT][2 * NB];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
   }
   for (int64_t u = 0; u < nk; u += 2) {
+    if (u < pf_n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
+    if (u + 1 < pf_n) prefetch_lines<64 * NB>(pf.rows[u + 1] + 2 * c0);
     __m512bh v[2 * NB];
     const auto* x0 = static_cast<const uint16_t*>(vrows[u]) + c0;
     const auto* x1 = u + 1 < nk ? static_cast<const uint16_t*>(vrows[u + 1]) + c0 : nullptr;
@@ -169,13 +172,15 @@ inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk
 // With kGuard a zero weight is skipped, never multiplied.
 template <int RT, int NB, bool kGuard>
 inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
-                            int64_t Evp, float* acc) {
+                            int64_t Evp, float* acc, PvPrefetch pf) {
+  const int64_t pf_n = r0 == 0 ? pf.n : 0;
   __m512 a[RT][2 * NB];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
   }
   const __m512i z = _mm512_setzero_si512();
   for (int64_t u = 0; u < nk; ++u) {
+    if (u < pf_n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
     __m512 v[2 * NB];
     const auto* x = static_cast<const uint16_t*>(vrows[u]) + c0;
     for (int b = 0; b < NB; ++b) {
@@ -200,29 +205,29 @@ inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t n
 template <int RT, int NB>
 inline void pv_tile_permuted(const float* st, const uint32_t* pp, bool dot, bool guard,
                              const void* const* vrows, int64_t nk, int64_t r0, int64_t c0, int64_t Evp,
-                             float* acc) {
+                             float* acc, PvPrefetch pf) {
   if (guard) {
-    pv_tile_widened<RT, NB, true>(st, vrows, nk, r0, c0, Evp, acc);
+    pv_tile_widened<RT, NB, true>(st, vrows, nk, r0, c0, Evp, acc, pf);
   } else if (dot) {
-    pv_tile_dot<RT, NB>(pp, vrows, nk, r0, c0, Evp, acc);
+    pv_tile_dot<RT, NB>(pp, vrows, nk, r0, c0, Evp, acc, pf);
   } else {
-    pv_tile_widened<RT, NB, false>(st, vrows, nk, r0, c0, Evp, acc);
+    pv_tile_widened<RT, NB, false>(st, vrows, nk, r0, c0, Evp, acc, pf);
   }
 }
 
 template <int RT>
 inline void pv_rows_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
-                             int64_t nk, int64_t r0, int64_t Evp, float* acc) {
+                             int64_t nk, int64_t r0, int64_t Evp, float* acc, PvPrefetch pf) {
   const bool guard = any_zero_weight(st, r0, RT, nk);
   int64_t c0 = 0;
-  for (; c0 + 64 <= Evp; c0 += 64) pv_tile_permuted<RT, 2>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc);
-  if (c0 < Evp) pv_tile_permuted<RT, 1>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc);
+  for (; c0 + 64 <= Evp; c0 += 64) pv_tile_permuted<RT, 2>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc, pf);
+  if (c0 < Evp) pv_tile_permuted<RT, 1>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc, pf);
 }
 
 // P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32).
 inline void pv_chunk_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
-                              int64_t nk, int64_t R, int64_t Evp, float* acc) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, pp, dot, vrows, nk, r0, Evp, acc); });
+                              int64_t nk, int64_t R, int64_t Evp, float* acc, PvPrefetch pf) {
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, pp, dot, vrows, nk, r0, Evp, acc, pf); });
 }
 
 // The accumulators back in element order: block lane 4k + i of lanes 0-15 is element 8k + i,
@@ -248,7 +253,7 @@ inline void dot_scores_tokens4(const uint32_t*, int64_t, int64_t, int64_t, const
 inline void dot_scores_token(const uint32_t*, int64_t, int64_t, int64_t, const void*, float, float*) {}
 inline void pack_prob_pairs(const float*, int64_t, uint32_t*) {}
 inline void pv_chunk_permuted(const float*, const uint32_t*, bool, const void* const*, int64_t, int64_t, int64_t,
-                              float*) {}
+                              float*, PvPrefetch) {}
 inline void unpermute_rows(float*, int64_t, int64_t) {}
 #endif
 

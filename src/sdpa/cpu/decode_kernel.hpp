@@ -20,8 +20,9 @@
 // Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
 // per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
 // reach the machine's bandwidth, so the score loop prefetches the key row kPrefetchAhead tokens
-// on and the value row it will need next (a burst of prefetches at once stalls on the fill
-// buffers instead; measured).
+// on, and the P.V tiles the next chunk's value rows as they go (PvPrefetch): each phase keeps
+// memory busy while it computes (a burst of prefetches at once stalls on the fill buffers
+// instead; measured).
 //
 // Variants: per row and chunk, after the scale and in the fused forward's order, softcap
 // (c2 tanh(x / c2), softcap_v) then ALiBi (x -= slope2 |i' - j|, slope2 the row's own: the rows of
@@ -59,9 +60,15 @@ constexpr int64_t kPrefetchAhead = 16;  // key rows
 // does not fill the gaps); the next chunk's keys prefetched during P.V instead of 16 rows ahead
 // (4.1 -> 4.8 ms); keys and values as one stream 8-48 rows ahead (3.8 -> 4.9-5.1 ms); no value
 // prefetch (no faster from contiguous K/V, 2.62 -> 2.94 ms with 16-token pages). Where the time
-// goes: one thread takes about the sum of its arithmetic (~120 cycles per token at H_q/H_kv = 4,
-// E 128, a quarter of it on the prefetch instructions) and its memory time, so two threads reach
-// ~75 % of the read probe, not the probe itself.
+// went: one thread took about the sum of its arithmetic (~120 cycles per token at H_q/H_kv = 4,
+// E 128, a quarter of it on the prefetch instructions) and its memory time, two threads ~75 % of
+// the read probe: the score loop prefetched this chunk's values too, so memory was idle while
+// P.V computed. The values prefetched a chunk ahead by P.V instead (PvPrefetch), alternating
+// with the old binary on Zen 4: float32 2 threads 2.47-2.89 -> 2.14-2.37 ms (73 -> 85 % of a
+// 33-37 GB/s probe; a 61-65 GB/s probe, seen in some runs, the kernel reaches at ~55 %), one
+// thread 4.0-4.1 -> 3.4-3.5 ms, bf16 1.15-1.27 -> 1.04-1.10 ms. Prefetching the next chunk's
+// values in memory order instead (row by row, the same lines per step) was 4 % faster from
+// contiguous K/V but 1.16x slower with 16-token pages (1.07x for this order).
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality 2 is prefetcht1
 
 inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
@@ -254,16 +261,32 @@ inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, c
   }
 }
 
+// The next chunk's value rows (n of them, none when n = 0), prefetched by the P.V tiles of the
+// first row tile as they go: a tile's step for token u prefetches the bytes of next row u that
+// the same step of the next chunk will read. So the values' requests are spread over the P.V
+// phase as the keys' are over the scores (see kPrefetchAhead) and memory stays busy in both.
+struct PvPrefetch {
+  const char* const* rows = nullptr;
+  int64_t n = 0;
+};
+
+template <int64_t kBytes>
+inline void prefetch_lines(const char* p) {
+  for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(p + b, 0, kPrefetchLocality);
+}
+
 // acc[r][c0 : c0 + CV*W] += sum_u P[r][u] * v_u[c0 : ...] for RT rows from r0, the tile in
 // registers over the chunk's tokens. With kGuard a zero weight is skipped, never multiplied.
 template <KvType T, int RT, int CV, bool kGuard>
 inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
-                    int64_t Evp, float* acc) {
+                    int64_t Evp, float* acc, PvPrefetch pf) {
+  const int64_t pf_n = r0 == 0 ? pf.n : 0;  // once per chunk, by the first row tile
   vf a[RT][CV];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
   }
   for (int64_t u = 0; u < nk; ++u) {
+    if (u < pf_n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
     vf v[CV];
     for (int c = 0; c < CV; ++c) v[c] = load_as_float<T>(vrows[u], c0 + c * W);
     for (int r = 0; r < RT; ++r) {
@@ -298,20 +321,20 @@ inline bool any_zero_weight(const float* st, int64_t r0, int RT, int64_t nk) {
 
 template <KvType T, int RT, bool kGuard>
 inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
-                    float* acc) {
+                    float* acc, PvPrefetch pf) {
   constexpr int kCV = W >= 16 ? 4 : 2;
   int64_t c0 = 0;
-  for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV, kGuard>(st, vrows, nk, r0, c0, Evp, acc);
-  for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1, kGuard>(st, vrows, nk, r0, c0, Evp, acc);
+  for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf);
+  for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf);
 }
 
 template <KvType T, int RT>
 inline void pv_rows(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
-                    float* acc) {
+                    float* acc, PvPrefetch pf) {
   if (any_zero_weight(st, r0, RT, nk)) {
-    pv_cols<T, RT, true>(st, vrows, nk, r0, Evp, acc);
+    pv_cols<T, RT, true>(st, vrows, nk, r0, Evp, acc, pf);
   } else {
-    pv_cols<T, RT, false>(st, vrows, nk, r0, Evp, acc);
+    pv_cols<T, RT, false>(st, vrows, nk, r0, Evp, acc, pf);
   }
 }
 
@@ -328,8 +351,8 @@ inline void by_row_tiles(int64_t R, Rows rows) {
 // P.V for all rows of the chunk.
 template <KvType T>
 inline void pv_chunk(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp,
-                     float* acc) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc); });
+                     float* acc, PvPrefetch pf = {}) {
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc, pf); });
 }
 
 // The sums of four vectors' lanes, as {sum a0, sum a1, sum a2, sum a3}: one transposing
@@ -636,8 +659,9 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
     }
 
     // Prefetch as the scores go: the key row kPrefetchAhead tokens on (into the next chunk at
-    // the end) and this chunk's value row u, so memory keeps many lines in flight while the
-    // core computes; a burst of prefetches at once would stall on the fill buffers instead.
+    // the end), so memory keeps many lines in flight while the core computes; a burst of
+    // prefetches at once would stall on the fill buffers instead. The values were prefetched
+    // by the last chunk's P.V (PvPrefetch), except the first chunk's and widened ones.
     const char* const* next_k = c1 < j_end ? rows[2 * (1 - cur)] : nullptr;
     const int64_t next_n = c1 < j_end ? imin(kDecodeChunk, j_end - c1) : 0;
     for (int64_t u = 0; u < nk; ++u) {
@@ -646,7 +670,9 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       if (ahead != nullptr) {
         for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
       }
-      for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr[u] + b, 0, kPrefetchLocality);
+      if (!v_in_place || c0 == j_begin) {  // else the last chunk's P.V prefetched them
+        for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr[u] + b, 0, kPrefetchLocality);
+      }
       const float s = ks[u] * p.scale_log2;
       if (dot_k) {
         kscale[u] = s;
@@ -745,10 +771,11 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
       if (dot_v) pack_prob_pairs(sr, nk, pp + r * (kDecodeChunk / 2));
     }
 
+    const PvPrefetch pf = v_in_place && c1 < j_end ? PvPrefetch{rows[2 * (1 - cur) + 1], next_n} : PvPrefetch{};
     if (permuted_v) {
-      pv_chunk_permuted(st, pp, dot_v, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc);
+      pv_chunk_permuted(st, pp, dot_v, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
     } else if (v_in_place) {
-      pv_chunk<T>(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc);
+      pv_chunk<T>(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
     } else {
       for (int64_t u = 0; u < nk; ++u) vrow[u] = widen_row<T>(vr[u], p.Ev, p.Evp, vwide + u * p.Evp);
       pv_chunk<KvType::kFloat32>(st, vrow, nk, it.R, p.Evp, it.acc);
