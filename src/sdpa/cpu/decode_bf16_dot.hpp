@@ -147,6 +147,10 @@ inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk
   for (int64_t u = 0; u < nk; u += 2) {
     if (u < pf_n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
     if (u + 1 < pf_n) prefetch_lines<64 * NB>(pf.rows[u + 1] + 2 * c0);
+    if (pf.l1 && u + kL1Ahead + 1 < nk) {
+      prefetch_lines_l1<64 * NB>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
+      prefetch_lines_l1<64 * NB>(static_cast<const uint16_t*>(vrows[u + kL1Ahead + 1]) + c0);
+    }
     __m512bh v[2 * NB];
     const auto* x0 = static_cast<const uint16_t*>(vrows[u]) + c0;
     const auto* x1 = u + 1 < nk ? static_cast<const uint16_t*>(vrows[u + 1]) + c0 : nullptr;
@@ -181,6 +185,7 @@ inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t n
   const __m512i z = _mm512_setzero_si512();
   for (int64_t u = 0; u < nk; ++u) {
     if (u < pf_n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
+    if (pf.l1 && u + kL1Ahead < nk) prefetch_lines_l1<64 * NB>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
     __m512 v[2 * NB];
     const auto* x = static_cast<const uint16_t*>(vrows[u]) + c0;
     for (int b = 0; b < NB; ++b) {
