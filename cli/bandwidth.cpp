@@ -23,7 +23,9 @@ namespace {
 // Floats summed per loop iteration by every kernel: each thread's share is a multiple of this.
 constexpr int64_t kBlock = 128;
 
-using SumKernel = float (*)(const float* p, int64_t n);  // n: a multiple of kBlock
+// n: a multiple of kBlock. With `next` (n floats too, or null) each step also prefetches the
+// same lines of next into L2, the read a thread makes after this one.
+using SumKernel = float (*)(const float* p, int64_t n, const float* next);
 
 // Vectors of 16, 8 and 4 floats (GCC vector extensions).
 typedef float V16 __attribute__((vector_size(64)));
@@ -34,12 +36,20 @@ typedef float V4 __attribute__((vector_size(16)));
 // iteration. Written once and inlined into each ISA's entry point below, which compiles it for
 // that ISA (a V16 becomes one zmm register under avx512f).
 template <typename V, int Lanes>
-inline __attribute__((always_inline)) float sum_vectors(const float* p, int64_t n) {
+inline __attribute__((always_inline)) float sum_vectors(const float* p, int64_t n, const float* next) {
   V acc[8] = {};
   const V* v = reinterpret_cast<const V*>(__builtin_assume_aligned(p, 64));
-  for (int64_t i = 0; i < n / Lanes; i += 8) {
+  if (next != nullptr) {
+    for (int64_t i = 0; i < n / Lanes; i += 8) {
+      for (int64_t b = 0; b < 8 * Lanes; b += 16) __builtin_prefetch(next + i * Lanes + b, 0, 2);
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) acc[c] += v[i + c];
+      for (int c = 0; c < 8; ++c) acc[c] += v[i + c];
+    }
+  } else {
+    for (int64_t i = 0; i < n / Lanes; i += 8) {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) acc[c] += v[i + c];
+    }
   }
   for (int c = 1; c < 8; ++c) acc[0] += acc[c];
   float total = 0.0f;
@@ -48,15 +58,15 @@ inline __attribute__((always_inline)) float sum_vectors(const float* p, int64_t 
 }
 
 #ifdef ATTN_BANDWIDTH_X86
-__attribute__((target("avx512f"))) float sum_avx512(const float* p, int64_t n) {
-  return sum_vectors<V16, 16>(p, n);
+__attribute__((target("avx512f"))) float sum_avx512(const float* p, int64_t n, const float* next) {
+  return sum_vectors<V16, 16>(p, n, next);
 }
-__attribute__((target("avx2"))) float sum_avx2(const float* p, int64_t n) {
-  return sum_vectors<V8, 8>(p, n);
+__attribute__((target("avx2"))) float sum_avx2(const float* p, int64_t n, const float* next) {
+  return sum_vectors<V8, 8>(p, n, next);
 }
 #endif
 
-float sum_generic(const float* p, int64_t n) { return sum_vectors<V4, 4>(p, n); }
+float sum_generic(const float* p, int64_t n, const float* next) { return sum_vectors<V4, 4>(p, n, next); }
 
 struct SumProbe {
   SumKernel kernel;
@@ -121,7 +131,12 @@ int64_t bandwidth_array_bytes() {
   return std::max<int64_t>(bytes / kMiB, 1) * kMiB;  // whole MiB: a multiple of every share
 }
 
-BandwidthResult measure_read_bandwidth(int threads, int passes) {
+namespace {
+
+// Times read(sum, data, n, t, team), thread t of `team` reading its share of the array's first
+// n floats, n a multiple of `unit` floats (the rest is not read, nor counted).
+template <typename Read>
+BandwidthResult measure(int threads, int passes, int64_t unit, Read read) {
   using Clock = std::chrono::steady_clock;
   threads = std::max(threads, 1);
   const SumProbe probe = best_sum();
@@ -129,16 +144,18 @@ BandwidthResult measure_read_bandwidth(int threads, int passes) {
   r.isa = probe.isa;
   r.llc_bytes = last_level_cache_bytes();
   r.bytes = bandwidth_array_bytes();
-  const int64_t n = r.bytes / static_cast<int64_t>(sizeof(float));
+  const int64_t floats = r.bytes / static_cast<int64_t>(sizeof(float));
+  const int64_t n = floats / unit * unit;
   // A tensor, so the array lies on the pages the library gives the K/V it reads (huge pages for
   // blocks of 4 MiB or more, src/core/allocator.cpp): on 4 KiB pages the probe paid a TLB miss
   // per 4 KiB that the decode kernel did not, and read below it (AMD Zen 4, 2 threads, old and
   // new binaries alternating: 29.0-29.7 GB/s on 4 KiB pages, 35.1-38.6 on huge pages).
-  Tensor array = Tensor::empty({n});
+  Tensor array = Tensor::empty({floats});
   float* data = array.data();
+  r.bytes = n * static_cast<int64_t>(sizeof(float));
 
-  // Thread t of `team` owns floats [share(t), share(t + 1)), whole blocks.
-  const auto share = [n](int t, int team) { return n / kBlock * t / team * kBlock; };
+  // Thread t of `team` writes floats [share(t), share(t + 1)), whole blocks.
+  const auto share = [floats](int t, int team) { return floats / kBlock * t / team * kBlock; };
   std::vector<double> gbps;
   float sink = 0.0f;
   for (int pass = 0; pass <= std::max(passes, 1); ++pass) {  // pass 0 writes, untimed
@@ -156,7 +173,7 @@ BandwidthResult measure_read_bandwidth(int threads, int passes) {
           r.threads = team;
           start = Clock::now();  // the implicit barrier after `single` releases every thread
         }
-        sink += probe.kernel(data + begin, end - begin);
+        sink += read(probe.kernel, data, n, t, team);
       }
     }
     if (pass == 0) continue;
@@ -168,6 +185,28 @@ BandwidthResult measure_read_bandwidth(int threads, int passes) {
   r.gbps = median(gbps);
   r.best_gbps = *std::max_element(gbps.begin(), gbps.end());
   return r;
+}
+
+}  // namespace
+
+BandwidthResult measure_read_bandwidth(int threads, int passes) {
+  return measure(threads, passes, kBlock, [](SumKernel sum, const float* data, int64_t n, int t, int team) {
+    const int64_t begin = n / kBlock * t / team * kBlock, end = n / kBlock * (t + 1) / team * kBlock;
+    return sum(data + begin, end - begin, nullptr);
+  });
+}
+
+BandwidthResult measure_paged_read_bandwidth(int threads, int64_t block_bytes, int64_t streams, int passes) {
+  const int64_t block = std::max<int64_t>(1, (block_bytes + 4 * kBlock - 1) / (4 * kBlock)) * kBlock;  // floats
+  streams = std::max<int64_t>(1, streams);
+  return measure(threads, passes, block * streams, [block, streams](SumKernel sum, const float* data, int64_t n, int t, int team) {
+    const int64_t pages = n / (block * streams), blocks = pages * streams;
+    const auto at = [&](int64_t i) { return data + (i % pages * streams + i / pages) * block; };  // i = stream * pages + page
+    float total = 0.0f;
+    const int64_t end = blocks * (t + 1) / team;
+    for (int64_t i = blocks * t / team; i < end; ++i) total += sum(at(i), block, i + 1 < end ? at(i + 1) : nullptr);
+    return total;
+  });
 }
 
 }  // namespace attn::bench

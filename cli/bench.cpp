@@ -431,6 +431,11 @@ BenchResult run_bench(const BenchConfig& c) {
     // The probe's array is freed before the copies are made: the two never add up.
     DecodeResult d;
     d.bandwidth = measure_read_bandwidth(threads);
+    if (paged) {  // one kv head of a sequence per stream: the pool interleaves them page by page
+      d.paged_block_bytes = c.page_size * c.dim * dtype_size(cache_dtype);
+      d.paged_streams = c.batch * c.kv_heads_or_default();
+      d.paged_bandwidth = measure_paged_read_bandwidth(threads, d.paged_block_bytes, d.paged_streams);
+    }
     d.kv_bytes = kv_bytes(c);
     d.copies = kv_copies(d.kv_bytes, last_level_cache_bytes(), available_memory_bytes());
     for (int64_t i = 1; i < d.copies.count; ++i) {
@@ -480,6 +485,7 @@ BenchResult run_bench(const BenchConfig& c) {
     d.kv_gbps = bytes / (median(r.times_ms) * 1e-3) * 1e-9;
     d.warm_kv_gbps = bytes / (d.warm_median_ms * 1e-3) * 1e-9;
     d.bandwidth_ratio = d.bandwidth.gbps > 0.0 ? d.kv_gbps / d.bandwidth.gbps : 0.0;
+    if (d.paged_bandwidth && d.paged_bandwidth->gbps > 0.0) d.paged_bandwidth_ratio = d.kv_gbps / d.paged_bandwidth->gbps;
   }
   r.median_ms = median(r.times_ms);
   r.min_ms = *std::min_element(r.times_ms.begin(), r.times_ms.end());
@@ -496,9 +502,12 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
     decode = fmt::format(
         ", \"decode\": {{\"kv_bytes\": {}, \"kv_copies\": {}, \"kv_copies_wanted\": {}, "
         "\"from_memory\": {}, \"kv_gbps\": {}, \"bandwidth_ratio\": {}, {}, "
+        "\"paged_bandwidth_gbps\": {}, \"paged_bandwidth_ratio\": {}, "
         "\"warm_median_ms\": {}, \"warm_kv_gbps\": {}, \"warm_times_ms\": [{}]}}",
         d.kv_bytes, d.copies.count, d.copies.wanted, d.copies.from_memory(),
         json_number(d.kv_gbps, 3), json_number(d.bandwidth_ratio, 5), bandwidth_json(d.bandwidth),
+        d.paged_bandwidth ? json_number(d.paged_bandwidth->gbps, 3) : "null",
+        d.paged_bandwidth ? json_number(d.paged_bandwidth_ratio, 5) : "null",
         json_number(d.warm_median_ms, 4), json_number(d.warm_kv_gbps, 3), json_times(d.warm_times_ms));
   }
   return fmt::format(
@@ -560,6 +569,13 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
     row("K/V GB/s", fmt::format("{:.2f} GB/s (K/V bytes / median time)", d.kv_gbps));
     row("bandwidth", bandwidth_text(d.bandwidth));
     row("of bandwidth", fmt::format("{:.1f} %", 100.0 * d.bandwidth_ratio));
+    if (d.paged_bandwidth) {
+      row("paged read", fmt::format("{:.2f} GB/s (the read probe in the pool's pattern: blocks of {} bytes at a "
+                                    "stride of {}, median of {} passes); K/V GB/s / it: {:.1f} %",
+                                    d.paged_bandwidth->gbps, d.paged_block_bytes,
+                                    d.paged_block_bytes * d.paged_streams, d.paged_bandwidth->passes,
+                                    100.0 * d.paged_bandwidth_ratio));
+    }
     row("warm", fmt::format("{:.3f} ms median, {:.2f} GB/s (copy 0 on every call: K/V partly "
                             "from the cache)", d.warm_median_ms, d.warm_kv_gbps));
   }

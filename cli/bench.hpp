@@ -111,6 +111,11 @@ struct DecodeResult {
   double kv_gbps = 0.0;          // kv_bytes / median time of the rotating runs, 1e9 bytes/s
   double bandwidth_ratio = 0.0;  // kv_gbps / bandwidth.gbps
   BandwidthResult bandwidth;     // the read probe, same run, same threads
+  // --page-size: the probe in the paged pool's pattern (measure_paged_read_bandwidth), and
+  // kv_gbps / its median
+  std::optional<BandwidthResult> paged_bandwidth;
+  double paged_bandwidth_ratio = 0.0;
+  int64_t paged_block_bytes = 0, paged_streams = 0;  // its pattern
   std::vector<double> warm_times_ms;  // the same copy on every call
   double warm_median_ms = 0.0;
   double warm_kv_gbps = 0.0;

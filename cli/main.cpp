@@ -144,7 +144,8 @@ int run(int argc, char** argv) {
   bench->add_option("--page-size", bench_config.page_size,
                     "Decode from a paged KV cache (attn::PagedKvCache, pages of this many tokens, "
                     "the sequences' pages interleaved in the pool) through paged_attention; "
-                    "--kv-dtype may then also be int8");
+                    "--kv-dtype may then also be int8. Also measures the read probe in the pool's "
+                    "pattern (each head's pages: short blocks far apart)");
   bench->add_option("--window-left", bench_config.window_left,
                     "Sliding window: keys before the (aligned) diagonal each query sees (-1: all)")
       ->capture_default_str();
