@@ -139,17 +139,16 @@ inline void pack_prob_pairs(const float* sr, int64_t nk, uint32_t* ppr) {
 template <int RT, int NB>
 inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
                         int64_t Evp, float* acc, PvPrefetch pf) {
-  const int64_t pf_n = r0 == 0 ? pf.n : 0;  // once per chunk, by the first row tile
   __m512 a[RT][2 * NB];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
   }
   for (int64_t u = 0; u < nk; u += 2) {
-    if (u < pf_n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
-    if (u + 1 < pf_n) prefetch_lines<64 * NB>(pf.rows[u + 1] + 2 * c0);
+    if (u < pf.n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
+    if (u + 1 < pf.n) prefetch_lines<64 * NB>(pf.rows[u + 1] + 2 * c0);
     if (pf.l1 && u + kL1Ahead + 1 < nk) {
-      prefetch_lines_l1<64 * NB>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
-      prefetch_lines_l1<64 * NB>(static_cast<const uint16_t*>(vrows[u + kL1Ahead + 1]) + c0);
+      prefetch_lines<64 * NB, 3>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
+      prefetch_lines<64 * NB, 3>(static_cast<const uint16_t*>(vrows[u + kL1Ahead + 1]) + c0);
     }
     __m512bh v[2 * NB];
     const auto* x0 = static_cast<const uint16_t*>(vrows[u]) + c0;
@@ -177,15 +176,14 @@ inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk
 template <int RT, int NB, bool kGuard>
 inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
                             int64_t Evp, float* acc, PvPrefetch pf) {
-  const int64_t pf_n = r0 == 0 ? pf.n : 0;
   __m512 a[RT][2 * NB];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
   }
   const __m512i z = _mm512_setzero_si512();
   for (int64_t u = 0; u < nk; ++u) {
-    if (u < pf_n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
-    if (pf.l1 && u + kL1Ahead < nk) prefetch_lines_l1<64 * NB>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
+    if (u < pf.n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
+    if (pf.l1 && u + kL1Ahead < nk) prefetch_lines<64 * NB, 3>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
     __m512 v[2 * NB];
     const auto* x = static_cast<const uint16_t*>(vrows[u]) + c0;
     for (int b = 0; b < NB; ++b) {
@@ -232,7 +230,7 @@ inline void pv_rows_permuted(const float* st, const uint32_t* pp, bool dot, cons
 // P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32).
 inline void pv_chunk_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
                               int64_t nk, int64_t R, int64_t Evp, float* acc, PvPrefetch pf) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, pp, dot, vrows, nk, r0, Evp, acc, pf); });
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, pp, dot, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0)); });
 }
 
 // The accumulators back in element order: block lane 4k + i of lanes 0-15 is element 8k + i,

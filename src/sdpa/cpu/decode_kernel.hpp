@@ -279,14 +279,15 @@ struct PvPrefetch {
 };
 constexpr int64_t kL1Ahead = 4;  // tokens; 8 measured the same
 
-template <int64_t kBytes>
-inline void prefetch_lines(const char* p) {
-  for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(p + b, 0, kPrefetchLocality);
+// The lines of bytes [0, kBytes) from p, into L2 (kLocality 2: prefetcht1) or L1 (3: prefetcht0).
+template <int64_t kBytes, int kLocality = kPrefetchLocality>
+inline void prefetch_lines(const void* p) {
+  for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, kLocality);
 }
 
-template <int64_t kBytes>
-inline void prefetch_lines_l1(const void* p) {
-  for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+// The P.V prefetches a row tile starting at r0 makes: the next chunk's rows only by the first.
+inline PvPrefetch for_row_tile(const PvPrefetch& pf, int64_t r0) {
+  return r0 == 0 ? pf : PvPrefetch{nullptr, 0, pf.l1};
 }
 
 // acc[r][c0 : c0 + CV*W] += sum_u P[r][u] * v_u[c0 : ...] for RT rows from r0, the tile in
@@ -294,15 +295,14 @@ inline void prefetch_lines_l1(const void* p) {
 template <KvType T, int RT, int CV, bool kGuard>
 inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
                     int64_t Evp, float* acc, PvPrefetch pf) {
-  const int64_t pf_n = r0 == 0 ? pf.n : 0;  // once per chunk, by the first row tile
   vf a[RT][CV];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
   }
   for (int64_t u = 0; u < nk; ++u) {
-    if (u < pf_n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
+    if (u < pf.n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
     if (pf.l1 && u + kL1Ahead < nk) {
-      prefetch_lines_l1<CV * W * elem_size(T)>(static_cast<const char*>(vrows[u + kL1Ahead]) + c0 * elem_size(T));
+      prefetch_lines<CV * W * elem_size(T), 3>(static_cast<const char*>(vrows[u + kL1Ahead]) + c0 * elem_size(T));
     }
     vf v[CV];
     for (int c = 0; c < CV; ++c) v[c] = load_as_float<T>(vrows[u], c0 + c * W);
@@ -369,7 +369,7 @@ inline void by_row_tiles(int64_t R, Rows rows) {
 template <KvType T>
 inline void pv_chunk(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp,
                      float* acc, PvPrefetch pf = {}) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc, pf); });
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0)); });
 }
 
 // The sums of four vectors' lanes, as {sum a0, sum a1, sum a2, sum a3}: one transposing
