@@ -18,8 +18,8 @@
 # Usage: scripts/mpirun_netns.sh [--rate RATE] [--delay DELAY] [--launch-timeout S] -np N -- PROGRAM [ARGS...]
 #   RATE as tc writes it (10gbit, 1gbit, 500mbit), DELAY likewise (50us, 1ms); 2 <= N <= 4.
 #   --launch-timeout S: if the job has printed nothing S seconds after mpirun started, Open MPI's
-#   launch stalled (seen here about once in 20 runs, the job silent in MPI_Init until killed):
-#   say so, kill it, and launch once more. Only for programs that print as they start (a test
+#   launch stalled (a daemon missing, the job silent until killed): say so, show which
+#   daemons and sockets exist, kill it, and launch once more. Only for programs that print as they start (a test
 #   binary), never for a benchmark that prints at its end.
 # Exit codes: the MPI program's exit code (as mpirun reports it); 2 on bad usage;
 #   77 (CTest SKIP_RETURN_CODE) with a "SKIP: reason" line when the host cannot
@@ -112,7 +112,11 @@ for i in $(seq 0 $((np - 1))); do
 done
 
 # Open MPI 4.x (ORTE) calls the agent like ssh: AGENT [ssh-opts] HOST CMD...;
-# CMD is a shell string, so it is run by sh inside HOST's namespace.
+# CMD is a shell string, so it is run by sh inside HOST's namespace. Each namespace
+# gets its own TMPDIR, as a real host has its own /tmp: the daemons share this host's
+# name, so in one /tmp their session directories (/tmp/ompi.HOSTNAME.UID/...) are the
+# same path, and the three daemons, started at once, raced to create it; about one
+# launch in 16 lost a daemon that way and stalled (3 of 49 and 2 of 31 runs here).
 cat > "$tmp/agent" <<EOF
 #!/bin/sh
 while [ \$# -gt 0 ]; do
@@ -120,7 +124,8 @@ while [ \$# -gt 0 ]; do
 done
 ns=\$(awk -v h="\$1" '\$1 == h { print \$2 }' "$tmp/hosts"); shift
 [ -n "\$ns" ] || { echo "mpirun_netns agent: unknown host" >&2; exit 255; }
-exec ip netns exec "\$ns" sh -c "\$*"
+mkdir -p "$tmp/\$ns"
+exec ip netns exec "\$ns" env TMPDIR="$tmp/\$ns" sh -c "\$*"
 EOF
 chmod +x "$tmp/agent"
 
@@ -146,6 +151,10 @@ for attempt in 1 2; do
   done
   if [ ! -s "$out" ] && kill -0 "$job" 2>/dev/null; then
     echo "mpirun_netns: the job printed nothing within ${launch_timeout} s of launch (attempt $attempt): Open MPI's launch stalled; killing it" >&2
+    for ns in "${nss[@]}"; do  # which daemons came up, and whether each reached mpirun
+      echo "mpirun_netns:   $ns: $(ip netns pids "$ns" 2>/dev/null | xargs -r ps -o comm= -p | sort | uniq -c | xargs)," \
+           "$(ip netns exec "$ns" ss -Htn state established 2>/dev/null | wc -l) TCP connection(s)" >&2
+    done
     kill -TERM "$job" 2>/dev/null; sleep 2; kill -KILL "$job" 2>/dev/null
     for ns in "${nss[@]}"; do for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done; done
     wait "$job" 2>/dev/null
