@@ -104,13 +104,25 @@ struct KvCopies {
 };
 KvCopies kv_copies(int64_t copy_bytes, int64_t llc_bytes, int64_t available_bytes);
 
+// A change of the read probe between before and after the timed runs larger than this fraction
+// of the lower one marks a decode run's bandwidth ratio unreliable (run-to-run spread within one
+// state of the host: about 5 %).
+constexpr double kBandwidthMoved = 0.15;
+bool bandwidth_moved(double before_gbps, double after_gbps);
+
 // What decode mode measures besides the common fields.
 struct DecodeResult {
   int64_t kv_bytes = 0;          // per call (kv_bytes())
   KvCopies copies;
   double kv_gbps = 0.0;          // kv_bytes / median time of the rotating runs, 1e9 bytes/s
   double bandwidth_ratio = 0.0;  // kv_gbps / bandwidth.gbps
-  BandwidthResult bandwidth;     // the read probe, same run, same threads
+  BandwidthResult bandwidth;     // the read probe, same run, same threads, before the timed runs
+  // The same probe after them (and after the warm runs), and whether the two medians differ by
+  // more than kBandwidthMoved: the host's memory bandwidth can change from one second to the
+  // next (seen on a KVM guest: 35 and 60 GB/s in alternate runs), and then bandwidth_ratio
+  // compares the kernel with a probe taken in another state (it read up to 115 %).
+  BandwidthResult bandwidth_after;
+  bool bandwidth_moved = false;
   // --page-size: the probe in the paged pool's pattern (measure_paged_read_bandwidth), and
   // kv_gbps / its median
   std::optional<BandwidthResult> paged_bandwidth;

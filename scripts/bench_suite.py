@@ -457,7 +457,8 @@ def run_decode_row(attn: Path, python: Path | None, guard: "BusyGuard", cfg: dic
 def mark_low_bandwidth(rows: list[dict], peaks: dict) -> dict:
     """Marks busy the runs whose own bandwidth probe (attn's, in the run; torch's, just before it)
     read below BUSY_PEAK_FRACTION of the best seen for its thread count (another process was using
-    the memory bus); returns the best bandwidth per thread count."""
+    the memory bus), and attn's runs whose probe moved between before and after the timed runs
+    (`bandwidth_moved`: the host's bandwidth changed); returns the best bandwidth per thread count."""
     best = {}
     def probe(impl: str, r: dict) -> float | None:
         src = r.get("decode", {}) if impl == "fused" else r.get("peak", {})
@@ -476,6 +477,8 @@ def mark_low_bandwidth(rows: list[dict], peaks: dict) -> dict:
             r = row.get(impl)
             if r and "error" not in r and probe(impl, r):
                 if probe(impl, r) < BUSY_PEAK_FRACTION * best[row["config"]["threads"]]:
+                    r["busy"] = True
+                if r.get("decode", {}).get("bandwidth_moved"):  # attn's probe after the timed runs
                     r["busy"] = True
     return best
 
@@ -565,8 +568,9 @@ def render_decode(args, rows, skipped, bandwidth, torch_version, machine, starte
     ]
     if any(r.get(i, {}).get("busy") for r in rows for i in ("fused", "torch")):
         out += ["", f"\\* The bandwidth probe of this run (or the FMA peak) read below "
-                f"{BUSY_PEAK_FRACTION:.0%} of the best of the suite: another process was using the "
-                "machine, so the figure is unreliable."]
+                f"{BUSY_PEAK_FRACTION:.0%} of the best of the suite (another process was using the "
+                "machine), or attn's probe moved by more than 15 % between before and after the timed "
+                "runs (the host's bandwidth changed): the figure is unreliable."]
     if skipped:
         out += ["", "Skipped (`--decode-max-gib`):", ""] + [f"- {s}" for s in skipped]
     failed = failures(rows)
