@@ -98,7 +98,9 @@ int run(int argc, char** argv) {
       "per call: each kv head once, also under GQA) against the read bandwidth measured in the\n"
       "same run (STREAM-like sum over an array of 8x the last-level cache) and their ratio; the\n"
       "timed calls rotate among enough copies of K/V (8x the last-level cache and more) that K/V\n"
-      "come from memory, and a warm figure (one copy every call) is shown beside it.\n"
+      "come from memory, and a warm figure (one copy every call) is shown beside it. The probe is\n"
+      "read again after the timed runs (probe after); if the two differ by more than 15 %, the\n"
+      "machine's bandwidth changed during the run and the ratio is flagged unreliable.\n"
       "Decoding several new tokens: --seq 16 --seq-kv 8192 --causal --causal-align bottom-right.");
   bench->add_option("--batch", bench_config.batch, "Batch size B")->capture_default_str();
   bench->add_option("--heads", bench_config.heads, "Query heads H")->capture_default_str();

@@ -19,8 +19,8 @@
 #   RATE as tc writes it (10gbit, 1gbit, 500mbit), DELAY likewise (50us, 1ms); 2 <= N <= 4.
 #   --launch-timeout S: if the job has printed nothing S seconds after mpirun started, Open MPI's
 #   launch stalled (a daemon missing, the job silent until killed): say so, show which
-#   daemons and sockets exist, kill it, and launch once more. Only for programs that print as they start (a test
-#   binary), never for a benchmark that prints at its end.
+#   daemons and sockets exist, kill it, and launch once more. Only for programs that print as
+#   they start (a test binary), never for a benchmark that prints at its end.
 # Exit codes: the MPI program's exit code (as mpirun reports it); 2 on bad usage;
 #   77 (CTest SKIP_RETURN_CODE) with a "SKIP: reason" line when the host cannot
 #   build the namespaces/qdiscs (not root, no CAP_NET_ADMIN, no ip/tc/mpirun, no netem).

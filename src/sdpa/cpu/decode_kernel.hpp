@@ -301,7 +301,7 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
   }
   for (int64_t u = 0; u < nk; ++u) {
     if (u < pf.n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
-    if (CV < 8 && pf.l1 && u + kL1Ahead < nk) {
+    if (pf.l1 && u + kL1Ahead < nk) {
       prefetch_lines<CV * W * elem_size(T), 3>(static_cast<const char*>(vrows[u + kL1Ahead]) + c0 * elem_size(T));
     }
     vf v[CV];
@@ -350,7 +350,8 @@ inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64
   // rows in order too, and was 4-15 % faster before. With 16-bit values (a sweep of 4 vectors
   // covers 128 bytes of the row) it measured 0-5 % slower, and paged float32 the same.
   if constexpr (RT == 1 && W >= 16 && T == KvType::kFloat32) {
-    for (; c0 + 8 * W <= Evp; c0 += 8 * W) pv_tile<T, 1, 8, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf);
+    const PvPrefetch l2_only{pf.rows, pf.n, false};
+    for (; c0 + 8 * W <= Evp; c0 += 8 * W) pv_tile<T, 1, 8, kGuard>(st, vrows, nk, r0, c0, Evp, acc, l2_only);
   }
   for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf);
   for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf);
