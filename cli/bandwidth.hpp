@@ -42,15 +42,17 @@ int64_t bandwidth_array_bytes();
 BandwidthResult measure_read_bandwidth(int threads, int passes = 7);
 
 // The same bytes read in a paged KV pool's pattern: the array seen as (pages, streams, block),
-// block = block_bytes rounded up to 512, each stream (a kv head of a sequence) read as its blocks
-// in page order, the streams one after another, the thread t of T taking the t-th T-th of that
-// sequence of blocks (as the decode driver gives threads key ranges of one head). So a thread
-// reads blocks of `block` bytes at a stride of streams * block, not one run: the pattern of
-// `paged_attention` on a pool whose pages hold `streams` heads (and sequences, interleaved).
+// block = block_bytes rounded up to 512, each stream (a sequence) read as its blocks in page
+// order, the streams one after another, the thread t of T taking the t-th T-th of that sequence
+// of blocks (as the decode driver gives threads key ranges of a sequence). So a thread reads
+// blocks of `block` bytes at a stride of streams * block, not one run: the pattern of
+// `paged_attention`, which reads a pool page's kv heads together (block = the page's bytes of
+// every head), on a pool whose pages interleave `streams` sequences.
 // Reading a block, a thread prefetches its next one line by line (the hardware prefetchers stop
 // at each block's end). Measured on AMD Zen 4, 2 threads, 16-token float32 pages of E = 128 and 8
-// heads (8 KiB blocks, 64 KiB apart), with a 61-66 GB/s contiguous probe: 26 GB/s without that
-// prefetch, below the decode kernel's 28-33; 33-38 GB/s with it; 64-token pages 48-55 GB/s.
+// heads (8 KiB blocks, 64 KiB apart, the pattern of a kernel that read one head at a time), with
+// a 61-66 GB/s contiguous probe: 26 GB/s without that prefetch, below the decode kernel's 28-33;
+// 33-38 GB/s with it; 64-token pages 48-55 GB/s.
 BandwidthResult measure_paged_read_bandwidth(int threads, int64_t block_bytes, int64_t streams, int passes = 7);
 
 }  // namespace attn::bench

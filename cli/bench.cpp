@@ -431,22 +431,26 @@ BenchResult run_bench(const BenchConfig& c) {
     // The probe's array is freed before the copies are made: the two never add up.
     DecodeResult d;
     d.bandwidth = measure_read_bandwidth(threads);
-    if (paged) {  // one kv head of a sequence per stream: the pool interleaves them page by page
-      d.paged_block_bytes = c.page_size * c.dim * dtype_size(cache_dtype);
-      d.paged_streams = c.batch * c.kv_heads_or_default();
+    if (paged) {  // one sequence per stream: a pool page holds its kv heads, which the kernel reads together
+      d.paged_block_bytes = c.page_size * c.dim * dtype_size(cache_dtype) * c.kv_heads_or_default();
+      d.paged_streams = c.batch;
       d.paged_bandwidth = measure_paged_read_bandwidth(threads, d.paged_block_bytes, d.paged_streams);
     }
     d.kv_bytes = kv_bytes(c);
-    d.copies = kv_copies(d.kv_bytes, last_level_cache_bytes(), available_memory_bytes());
+    // Paged: each copy also stays dense, for the interleaved contiguous calls (twice the bytes),
+    // except under an int8 cache, which no dense call reads (its dense K/V are float32).
+    const bool both = paged && cache_dtype != DType::kInt8;
+    d.copies = kv_copies(d.kv_bytes, last_level_cache_bytes(), available_memory_bytes() / (both ? 2 : 1));
     for (int64_t i = 1; i < d.copies.count; ++i) {
       const int64_t shift = i * 4099;  // elements; a prime, so no copy repeats another's pages
-      if (paged) {  // one dense copy at a time: only the caches stay
+      if (paged && !both) {  // one dense copy at a time: only the caches stay
         caches.push_back(paged_copy(rotated_copy(ks.front(), shift), rotated_copy(vs.front(), shift),
                                     c.page_size, cache_dtype));
-      } else {
-        ks.push_back(rotated_copy(ks.front(), shift));
-        vs.push_back(rotated_copy(vs.front(), shift));
+        continue;
       }
+      ks.push_back(rotated_copy(ks.front(), shift));
+      vs.push_back(rotated_copy(vs.front(), shift));
+      if (paged) caches.push_back(paged_copy(ks.back(), vs.back(), c.page_size, cache_dtype));
     }
     r.decode = d;
   }
@@ -466,20 +470,37 @@ BenchResult run_bench(const BenchConfig& c) {
     if (paged) return paged_attention(q_paged, caches[i % caches.size()], seq_ids, paged_options).output;
     return scaled_dot_product_attention(q, ks[i % ks.size()], vs[i % vs.size()], options).output;
   };
-  const auto timed = [&](size_t i) {
+  // Paged decode over a float cache: the same copies as dense tensors of the cache's dtype.
+  const auto contiguous_call = [&](size_t i) {
+    return scaled_dot_product_attention(q, ks[i % ks.size()], vs[i % vs.size()], options).output;
+  };
+  const auto timed = [&](auto&& fn, size_t i) {
     const auto start = Clock::now();
-    const Tensor out = call(i);
+    const Tensor out = fn(i);
     const auto stop = Clock::now();  // `out` is freed after the clock stops
     return std::chrono::duration<double, std::milli>(stop - start).count();
   };
+  const bool interleave = paged && r.decode.has_value() && cache_dtype != DType::kInt8;
   size_t calls = 0;
-  for (int i = 0; i < c.warmup; ++i) call(calls++);
+  for (int i = 0; i < c.warmup; ++i) {
+    if (interleave) contiguous_call(calls + 1);
+    call(calls++);
+  }
   r.times_ms.reserve(static_cast<size_t>(c.repeats));
-  for (int i = 0; i < c.repeats; ++i) r.times_ms.push_back(timed(calls++));
+  for (int i = 0; i < c.repeats; ++i) {
+    r.times_ms.push_back(timed(call, calls));
+    // Another copy than the paged call's: a dense call never finds the paged one's bytes cached.
+    if (interleave) r.decode->contiguous_times_ms.push_back(timed(contiguous_call, calls + 1));
+    ++calls;
+  }
   if (r.decode) {
     DecodeResult& d = *r.decode;
     call(0);  // copy 0 into the cache, then every call reads it
-    for (int i = 0; i < c.repeats; ++i) d.warm_times_ms.push_back(timed(0));
+    for (int i = 0; i < c.repeats; ++i) d.warm_times_ms.push_back(timed(call, 0));
+    if (!d.contiguous_times_ms.empty()) {
+      d.contiguous_median_ms = median(d.contiguous_times_ms);
+      d.paged_over_contiguous = median(r.times_ms) / d.contiguous_median_ms;
+    }
     d.warm_median_ms = median(d.warm_times_ms);
     const double bytes = static_cast<double>(d.kv_bytes);
     d.kv_gbps = bytes / (median(r.times_ms) * 1e-3) * 1e-9;
@@ -515,12 +536,15 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
         "\"from_memory\": {}, \"kv_gbps\": {}, \"bandwidth_ratio\": {}, {}, "
         "\"bandwidth_after_gbps\": {}, \"bandwidth_moved\": {}, "
         "\"paged_bandwidth_gbps\": {}, \"paged_bandwidth_ratio\": {}, "
+        "\"contiguous_median_ms\": {}, \"paged_over_contiguous\": {}, "
         "\"warm_median_ms\": {}, \"warm_kv_gbps\": {}, \"warm_times_ms\": [{}]}}",
         d.kv_bytes, d.copies.count, d.copies.wanted, d.copies.from_memory(),
         json_number(d.kv_gbps, 3), json_number(d.bandwidth_ratio, 5), bandwidth_json(d.bandwidth),
         json_number(d.bandwidth_after.gbps, 3), d.bandwidth_moved,
         d.paged_bandwidth ? json_number(d.paged_bandwidth->gbps, 3) : "null",
         d.paged_bandwidth ? json_number(d.paged_bandwidth_ratio, 5) : "null",
+        d.contiguous_times_ms.empty() ? "null" : json_number(d.contiguous_median_ms, 4),
+        d.contiguous_times_ms.empty() ? "null" : json_number(d.paged_over_contiguous, 4),
         json_number(d.warm_median_ms, 4), json_number(d.warm_kv_gbps, 3), json_times(d.warm_times_ms));
   }
   return fmt::format(
@@ -567,8 +591,9 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
       row("layout", fmt::format("paged: pages of {} tokens, the {} sequences' pages interleaved",
                                 c.page_size, c.batch));
     }
-    row("K/V copies", fmt::format("{}, {} in all, rotated call by call{}", d.copies.count,
+    row("K/V copies", fmt::format("{}, {} in all{}, rotated call by call{}", d.copies.count,
                                   mib_text(d.copies.count * d.kv_bytes),
+                                  d.contiguous_times_ms.empty() ? "" : " (and as many dense, for the contiguous row)",
                                   d.copies.from_memory()
                                       ? " (K/V come from memory)"
                                       : fmt::format(" (WARNING: {} wanted to flush the LLC, capped "
@@ -586,6 +611,11 @@ std::string format_table(const BenchConfig& c, const BenchResult& r) {
                              d.bandwidth_moved ? " WARNING: the machine's memory bandwidth changed during the "
                                                  "run, so the ratio above is unreliable"
                                                : ""));
+    if (!d.contiguous_times_ms.empty()) {
+      row("contiguous", fmt::format("{:.3f} ms median (the same K/V as dense tensors, each call right after a paged "
+                                    "one); paged / contiguous: {:.3f}",
+                                    d.contiguous_median_ms, d.paged_over_contiguous));
+    }
     if (d.paged_bandwidth) {
       row("paged read", fmt::format("{:.2f} GB/s (the read probe in the pool's pattern: blocks of {} bytes at a "
                                     "stride of {}, median of {} passes); K/V GB/s / it: {:.1f} %",

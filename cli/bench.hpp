@@ -128,6 +128,12 @@ struct DecodeResult {
   std::optional<BandwidthResult> paged_bandwidth;
   double paged_bandwidth_ratio = 0.0;
   int64_t paged_block_bytes = 0, paged_streams = 0;  // its pattern
+  // --page-size: the same K/V as dense tensors through scaled_dot_product_attention, each call
+  // right after a paged one (the two alternate, so both see the same state of the host's memory,
+  // which can change between runs); paged_over_contiguous = median / contiguous_median_ms.
+  std::vector<double> contiguous_times_ms;
+  double contiguous_median_ms = 0.0;
+  double paged_over_contiguous = 0.0;
   std::vector<double> warm_times_ms;  // the same copy on every call
   double warm_median_ms = 0.0;
   double warm_kv_gbps = 0.0;

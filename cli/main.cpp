@@ -147,7 +147,9 @@ int run(int argc, char** argv) {
                     "Decode from a paged KV cache (attn::PagedKvCache, pages of this many tokens, "
                     "the sequences' pages interleaved in the pool) through paged_attention; "
                     "--kv-dtype may then also be int8. Also measures the read probe in the pool's "
-                    "pattern (each head's pages: short blocks far apart)");
+                    "pattern (a sequence's pages, each holding every kv head, in block-table "
+                    "order) and, for a float cache, the same K/V as dense tensors, each call right "
+                    "after a paged one (contiguous; paged / contiguous)");
   bench->add_option("--window-left", bench_config.window_left,
                     "Sliding window: keys before the (aligned) diagonal each query sees (-1: all)")
       ->capture_default_str();

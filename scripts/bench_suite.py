@@ -519,6 +519,22 @@ def decode_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paged_vs_contiguous(rows: list[dict]) -> list[str]:
+    """A line per paged row whose run also timed the dense K/V: paged ms, contiguous ms, ratio."""
+    lines = []
+    for row in rows:
+        cfg, fused = row["config"], row["fused"]
+        d = fused.get("decode", {}) if "error" not in fused else {}
+        if not cfg["layout"].startswith("paged") or not d.get("contiguous_median_ms"):
+            continue
+        lines.append(f"{cfg['layout']}, B={cfg['batch']} H_q/H_kv={cfg['heads']}/{cfg['kv_heads']} "
+                     f"E={cfg['dim']} S={cfg['seq_kv']} {cfg['kv_dtype']} K/V, {cfg['threads']} "
+                     f"thread{'s' if cfg['threads'] > 1 else ''}: {fused['median_ms']:.3f} ms against "
+                     f"{d['contiguous_median_ms']:.3f} ms contiguous, "
+                     f"{100 * (d['paged_over_contiguous'] - 1):+.1f} %")
+    return lines
+
+
 DECODE_BEGIN = "<!-- decode: written by scripts/bench_suite.py --decode, kept by the other modes -->"
 DECODE_END = "<!-- end of decode -->"
 
@@ -566,6 +582,11 @@ def render_decode(args, rows, skipped, bandwidth, torch_version, machine, starte
         "",
         decode_table(rows),
     ]
+    paged = paged_vs_contiguous(rows)
+    if paged:
+        out += ["", "Paged against contiguous in the same run (`attn bench --page-size`: each paged "
+                "call followed by one on the same K/V as dense tensors, so both see the same state "
+                "of the host's memory; medians):", ""] + [f"- {p}" for p in paged]
     if any(r.get(i, {}).get("busy") for r in rows for i in ("fused", "torch")):
         out += ["", f"\\* The bandwidth probe of this run (or the FMA peak) read below "
                 f"{BUSY_PEAK_FRACTION:.0%} of the best of the suite (another process was using the "

@@ -10,7 +10,8 @@
 //                head (symmetric: x ~= scale * q, q in [-127, 127])
 //
 // A page holds page_size consecutive tokens of one sequence for every head, each head's tokens
-// contiguous (so a decode kernel streams a head's keys page by page). A sequence's block table
+// contiguous (so the decode kernel reads a page's heads one after another: one run of memory per
+// page, not one short block per head and page). A sequence's block table
 // lists its pages in token order: token t lives in page block_table[t / page_size], row
 // t % page_size. Pages come from a free list; free_sequence returns them (they are reused by the
 // next sequence that needs a page, in any order, so a block table is in general not sorted).

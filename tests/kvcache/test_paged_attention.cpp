@@ -165,21 +165,26 @@ TEST(PagedAttention, EveryCacheAndQueryDtype) {
 
 // Long sequences (split into several key ranges by the kernel) whose pages lie in the pool in
 // shuffled order: the result equals the dense kernel on the gathered keys and values within
-// float32 rounding, and is bit-identical for 1, 2 and 3 threads.
-TEST(PagedAttention, LongShuffledSequencesSplitAcrossThreads) {
-  PagedKvCacheOptions o{.num_pages = 400, .page_size = 16, .heads_kv = 2, .head_dim = 64};
+// float32 rounding, and is bit-identical for 1, 2 and 3 threads. The kernel reads a pool's kv
+// heads together, a group of whole pages at a time: pages shorter than its chunk (16), longer
+// (96: groups of 128 tokens, which pages do not align with), and with one kv head or three.
+class PagedLayouts : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
+
+TEST_P(PagedLayouts, LongShuffledSequencesSplitAcrossThreads) {
+  const auto [page_size, Hkv] = GetParam();
+  PagedKvCacheOptions o{.num_pages = 6400 / page_size, .page_size = page_size, .heads_kv = Hkv, .head_dim = 64};
   PagedKvCache c(o);
   Generator gen(31);
   // Interleave three sequences a page at a time, free one, so that the next grows into its pages.
   for (int i = 0; i < 3; ++i) c.add_sequence();
   for (int step = 0; step < 60; ++step) {
-    for (int64_t id = 0; id < 3; ++id) c.append(id, randn({16, 2, 64}, gen), randn({16, 2, 64}, gen));
+    for (int64_t id = 0; id < 3; ++id) c.append(id, randn({16, Hkv, 64}, gen), randn({16, Hkv, 64}, gen));
   }
   c.free_sequence(1);
   const int64_t grown = c.add_sequence();
-  c.append(grown, randn({2100, 2, 64}, gen), randn({2100, 2, 64}, gen));
+  c.append(grown, randn({2100, Hkv, 64}, gen), randn({2100, Hkv, 64}, gen));
   const std::vector<int64_t> ids{0, grown, 2};
-  const Tensor q = randn({3, 2, 8, 64}, gen);
+  const Tensor q = randn({3, 2, 4 * Hkv, 64}, gen);
   PagedAttentionOptions po{.is_causal = true, .need_lse = true};
   for (const std::string& kernel : decode_kernels()) {
     po.kernel = kernel;
@@ -203,6 +208,13 @@ TEST(PagedAttention, LongShuffledSequencesSplitAcrossThreads) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(PagedAttention, PagedLayouts,
+                         ::testing::Values(std::pair<int64_t, int64_t>{16, 2}, std::pair<int64_t, int64_t>{96, 3},
+                                           std::pair<int64_t, int64_t>{16, 1}),
+                         [](const auto& info) {
+                           return "page" + std::to_string(info.param.first) + "_kvheads" + std::to_string(info.param.second);
+                         });
 
 // ---- variants -----------------------------------------------------------------------------------
 
@@ -234,8 +246,9 @@ TEST(PagedAttentionVariants, EqualsDenseAttentionWithTheSameOptions) {
 // bit for bit, and the same for 1, 2 and 3 threads.
 TEST(PagedAttentionVariants, PagesBeforeTheWindowChangeNothing) {
   const int64_t S = 3000, Lq = 4, window = 150;
-  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
-    PagedKvCacheOptions o{.num_pages = 400, .page_size = 16, .heads_kv = 2, .head_dim = 64, .dtype = dt};
+  for (const auto [dt, page_size] : {std::pair{DType::kFloat32, int64_t{16}}, std::pair{DType::kBFloat16, int64_t{16}},
+                                     std::pair{DType::kFloat32, int64_t{96}}}) {
+    PagedKvCacheOptions o{.num_pages = 6400 / page_size, .page_size = page_size, .heads_kv = 2, .head_dim = 64, .dtype = dt};
     PagedKvCache clean(o), poisoned(o);
     Generator gen(41);
     const Tensor k = randn({S, 2, 64}, gen), v = randn({S, 2, 64}, gen);
@@ -262,8 +275,8 @@ TEST(PagedAttentionVariants, PagesBeforeTheWindowChangeNothing) {
       for (int t : {1, 2, 3}) {
         po.num_threads = t;
         const SdpaResult b = paged_attention(q, poisoned, ids, po);
-        EXPECT_EQ(a.output.to_vector(), b.output.to_vector()) << kernel << " " << dtype_name(dt) << " threads " << t;
-        EXPECT_EQ(a.lse.to_vector(), b.lse.to_vector()) << kernel << " " << dtype_name(dt) << " threads " << t;
+        EXPECT_EQ(a.output.to_vector(), b.output.to_vector()) << kernel << " " << dtype_name(dt) << " page " << page_size << " threads " << t;
+        EXPECT_EQ(a.lse.to_vector(), b.lse.to_vector()) << kernel << " " << dtype_name(dt) << " page " << page_size << " threads " << t;
       }
     }
   }

@@ -44,6 +44,14 @@
 #include <immintrin.h>
 #endif
 
+// GCC 12 reports the AVX-512 intrinsics' own placeholder operand (__Y, _mm512_undefined_ps) in
+// hsum16 and store_scores4x4 as (maybe-)uninitialized (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 namespace attn::cpu::ATTN_SIMD_NS {
 
 constexpr int64_t kDecodeChunk = 64;
@@ -71,10 +79,11 @@ constexpr int64_t kPrefetchAhead = 16;  // key rows
 // contiguous K/V but 1.16x slower with 16-token pages (1.07x for this order).
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality 2 is prefetcht1
 
-inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp) {
+// decode_split_t's workspace: the step's scratch, then each head's packed queries.
+inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp, int64_t heads) {
   const int64_t Rp = (R + 15) / 16 * 16;  // rows padded for the lane layout (W divides 16)
-  const int64_t pairs = Rp * ((Ep + 31) / 32 * 16 + kDecodeChunk / 2);  // decode_bf16_dot.hpp's q2, pp
-  return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + Ep * Rp + kDecodeChunk * Ep + pairs;
+  const int64_t per_head = Ep * Rp + Rp * ((Ep + 31) / 32 * 16);  // Q^T; decode_bf16_dot.hpp's q2
+  return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + kDecodeChunk * Ep + Rp * (kDecodeChunk / 2) + heads * per_head;
 }
 
 // x's lanes combined by `op` (on vectors and on floats) in a halving tree: lanes l and l + W/2,
@@ -268,9 +277,10 @@ inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, c
 // stays busy in both. With l1, a step also brings this chunk's row kL1Ahead tokens on from L2 to
 // L1, as the hardware's L1 prefetcher does not for rows read a tile at a time: on Zen 4 (2
 // threads, float32, H_q 32, H_kv 8, E 128, S 8192, alternating) 2.18-2.25 -> 2.03-2.12 ms, one
-// thread 3.56-3.58 -> 3.1-3.4 ms. Not with pages shorter than a chunk (16-token pages: 2.29-2.35
-// -> 2.34-2.40 ms), whose lines are more often not in L2 yet: an L1 prefetch of such a line
-// holds one of L1's few miss buffers for a whole memory latency. None for the keys: their L1
+// thread 3.56-3.58 -> 3.1-3.4 ms. With pages shorter than a chunk it had cost time while the
+// kernel read one kv head at a time (16-token pages: 2.29-2.35 -> 2.34-2.40 ms); reading a
+// page's heads together, it gains there too (paged / contiguous, interleaved in one process:
+// float32 1.03-1.05 -> 1.00-1.04, bf16 1.17-1.20 -> 1.12-1.15). None for the keys: their L1
 // prefetch 4 or 8 rows on measured no better.
 struct PvPrefetch {
   const char* const* rows = nullptr;
@@ -611,29 +621,200 @@ inline void modify_row(float softcap2, float slope2, int64_t d0, int64_t nkp, fl
 
 namespace attn::cpu::ATTN_SIMD_NS {
 
+// What the steps of an item share: its paths (see decode_split_t) and scratch.
+struct StepShared {
+  float *st, *kwide, *vwide, *kchunk;
+  uint32_t* pp;
+  int64_t Rp, words, k_bytes, v_bytes;
+  bool lanes, k_in_place, v_in_place, modify, dot_k, permuted_v, dot_v, v_l1;
+};
+
+// One step: head `it`'s chunk of nk keys at c0, their rows (kr, vr) and scales (ks, vs), the
+// head's packed queries (qt, q2), and the next step's rows (next_k, next_v: next_n of them), which
+// this step prefetches.
+struct Step {
+  const float* qt;
+  const uint32_t* q2;
+  const char* const* kr;
+  const char* const* vr;
+  const float* ks;
+  const float* vs;
+  const char* const* next_k;
+  const char* const* next_v;
+  int64_t c0, nk, next_n;
+  bool first_step;
+};
+
+// The scores of the step's chunk, its online softmax into the head's partial (m, l, acc), and
+// P.V. Not inlined into decode_split_t: one call per chunk costs nothing, and inlined, the
+// function outgrew GCC's inlining limits, which then left hsum16, the score tiles and the P.V
+// tiles as calls inside the per-token loops.
 template <KvType T>
-inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, float* ws) {
-  float* st = ws;
-  const bool lanes = it.R >= W;                   // many rows: scores with rows in lanes
-  const int64_t Rp = (it.R + 15) / 16 * 16;
-  float* kwide = st + Rp * kDecodeChunk;          // (Ep): a widened key row
-  float* vwide = kwide + p.Ep;                    // (kDecodeChunk, Evp): widened value rows
-  float* qt = vwide + kDecodeChunk * p.Evp;       // lanes: (Ep, Rp) Q^T
-  float* kchunk = qt + p.Ep * Rp;                 // lanes: (kDecodeChunk, Ep) widened key rows
-  auto* q2 = reinterpret_cast<uint32_t*>(kchunk + kDecodeChunk * p.Ep);  // bf16 dot: (Rp, words)
-  uint32_t* pp = q2 + Rp * q_words(p.Ep);         // bf16 dot: (Rp, kDecodeChunk / 2)
+[[gnu::noinline]] void decode_step(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, const StepShared& x,
+                                   const Step& sp) {
+  const auto& [st, kwide, vwide, kchunk, pp, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place, modify, dot_k,
+               permuted_v, dot_v, v_l1] = x;
+  const auto& [qt, q2, kr, vr, ks, vs, next_k, next_v, c0, nk, next_n, first_step] = sp;
+  const int64_t nkp = (nk + W - 1) / W * W;
+  constexpr float kLog2e = 1.4426950408889634f;
   const float* kf[kDecodeChunk];
   float kscale[kDecodeChunk];
-  const char* rows[4][kDecodeChunk];              // this chunk's and the next one's K and V rows
-  float scales[4][kDecodeChunk];
   const void* vrow[kDecodeChunk];
+  // Prefetch as the scores go: the key row kPrefetchAhead tokens on (into the next chunk at
+  // the end), so memory keeps many lines in flight while the core computes; a burst of
+  // prefetches at once would stall on the fill buffers instead. The values were prefetched
+  // by the last chunk's P.V (PvPrefetch), except the first chunk's and widened ones.
+  // The tokens' scales, all before the loop: written one by one inside it, each group of four
+  // was read back as one vector (store_scores4x4) right after its scalar stores, which no x86
+  // forwards to a wider load: the load waited for them to reach the cache, a stall per four
+  // tokens (~9 % of the score loop's samples, bf16 K/V).
+  for (int64_t u = 0; u < nk; ++u) kscale[u] = ks[u] * p.scale_log2;
+  for (int64_t u = 0; u < nk; ++u) {
+    const int64_t ua = u + kPrefetchAhead;
+    const char* ahead = ua < nk ? kr[ua] : ua - nk < next_n ? next_k[ua - nk] : nullptr;
+    if (ahead != nullptr) {
+      for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
+    }
+    if (!v_in_place || first_step) {  // else the last step's P.V prefetched them
+      for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr[u] + b, 0, kPrefetchLocality);
+    }
+    const float s = kscale[u];
+    if (dot_k) {
+      if (u % 4 == 3) dot_scores_tokens4(q2, words, it.R, p.E, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
+    } else if (lanes) {  // gather the chunk's rows; the scores follow, all at once
+      kf[u] = T == KvType::kFloat32 && k_in_place ? reinterpret_cast<const float*>(kr[u])
+                                                  : widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
+    } else if (kScoresByFour) {  // by four tokens, as their rows arrive
+      if (k_in_place) {
+        if (u % 4 == 3) scores_tokens4<T>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
+      } else {
+        kf[u] = widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
+        if (u % 4 == 3) {
+          scores_tokens4<KvType::kFloat32>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kf + u - 3),
+                                           kscale + u - 3, st + u - 3);
+        }
+      }
+    } else if (k_in_place) {
+      scores_token<T>(it.q, it.R, p.Ep, kr[u], s, st + u);
+    } else {
+      scores_token<KvType::kFloat32>(it.q, it.R, p.Ep, widen_row<T>(kr[u], p.E, p.Ep, kwide), s, st + u);
+    }
+  }
+
+  if (dot_k) {  // the last nk % 4 tokens
+    for (int64_t u = nk / 4 * 4; u < nk; ++u) dot_scores_token(q2, words, it.R, p.E, kr[u], kscale[u], st + u);
+  } else if (lanes) {
+    scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
+  } else if (kScoresByFour) {  // the last nk % 4 tokens
+    for (int64_t u = nk / 4 * 4; u < nk; ++u) {
+      if (k_in_place) {
+        scores_token<T>(it.q, it.R, p.Ep, kr[u], kscale[u], st + u);
+      } else {
+        scores_token<KvType::kFloat32>(it.q, it.R, p.Ep, kf[u], kscale[u], st + u);
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = st + r * kDecodeChunk;
+    const int64_t i = it.query_pos[r];
+    // One test per row and chunk, none per element, when no variant is used.
+    if (modify) modify_row(p.softcap2, it.alibi2 != nullptr ? it.alibi2[r] : 0.0f, i + kv.diag_offset - c0, nkp, sr);
+    if (it.mask[r] != nullptr) {
+      const float* mr = it.mask[r] + c0 * p.mask_col;
+      for (int64_t u = 0; u < nk; ++u) {
+        const float mv = mr[u * p.mask_col];
+        if (p.mask_is_bool) {
+          if (mv == 0.0f) sr[u] = kNegInf;
+        } else {
+          sr[u] += mv * kLog2e;  // additive masks are in natural-log units
+        }
+      }
+    }
+    // The band last: a key outside it is hidden whatever an additive mask adds.
+    if (p.band_hi) {  // keys j > i + hi_offset
+      const int64_t limit = i + kv.hi_offset;
+      for (int64_t u = limit + 1 - c0 < 0 ? 0 : limit + 1 - c0; u < nk; ++u) sr[u] = kNegInf;
+    }
+    if (p.band_lo) {  // keys j < i + lo_offset
+      const int64_t limit = imin(i + kv.lo_offset - c0, nk);
+      for (int64_t u = 0; u < limit; ++u) sr[u] = kNegInf;
+    }
+    for (int64_t u = nk; u < nkp; ++u) sr[u] = kNegInf;
+
+    // Online softmax over the chunk: new max, rescale, probabilities, sum.
+    vf mx = splat(it.m[r]);
+    for (int64_t u = 0; u < nkp; u += W) mx = vmax(mx, load(sr + u));
+    float m_new = it.m[r];
+    if (m_new == m_new && count_true(mx != mx) == 0) {  // mx's lanes include m_new
+      m_new = hmax(mx);
+    } else {  // a NaN: the first one met, lane by lane
+      for (int l = 0; l < W; ++l) m_new = mx[l] > m_new || mx[l] != mx[l] ? mx[l] : m_new;
+    }
+    const float msafe = m_new == kNegInf ? 0.0f : m_new;  // all hidden so far: exp2 gives 0
+    const float alpha = exp2v(splat(it.m[r] - msafe))[0];
+    vf sum = {};
+    for (int64_t u = 0; u < nkp; u += W) {
+      const vf pu = exp2v(load(sr + u) - msafe);
+      store(sr + u, pu);
+      sum += pu;
+    }
+    it.l[r] = it.l[r] * alpha + hsum(sum);
+    it.m[r] = m_new;
+    float* a = it.acc + r * p.Evp;
+    if (alpha == 0.0f) {  // the old weights underflowed: excluded, as the merge excludes ranges
+      zero(a, p.Evp);
+    } else if (alpha != 1.0f) {
+      for (int64_t c = 0; c < p.Evp; c += W) store(a + c, load(a + c) * alpha);
+    }
+    if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
+      for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
+    }
+    if (dot_v) pack_prob_pairs(sr, nk, pp + r * (kDecodeChunk / 2));
+  }
+
+  const PvPrefetch pf{v_in_place ? next_v : nullptr, v_in_place ? next_n : 0, v_l1};
+  if (permuted_v) {
+    pv_chunk_permuted(st, pp, dot_v, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
+  } else if (v_in_place) {
+    pv_chunk<T>(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
+  } else {
+    for (int64_t u = 0; u < nk; ++u) vrow[u] = widen_row<T>(vr[u], p.Ev, p.Evp, vwide + u * p.Evp);
+    pv_chunk<KvType::kFloat32>(st, vrow, nk, it.R, p.Evp, it.acc);
+  }
+}
+
+// An item of `heads` kv heads of one sequence (kvs[h], its[h]: the same key range, rows, band and
+// pages, each head its own queries and partial) walks the range chunk by chunk and, within a
+// chunk, head by head. For a paged cache that is the pool's memory order: a page holds every
+// head's rows of its tokens, head after head, so the heads of one chunk read consecutive
+// blocks where one head at a time reads one block per page, at a stride of the whole page (see
+// the driver's note in decode.cpp for the measurement). A dense cache comes one head per item.
+template <KvType T>
+inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads, float* ws) {
+  const DecodeItem& it0 = its[0];
+  const DecodeKv& kv0 = kvs[0];
+  float* st = ws;
+  const bool lanes = it0.R >= W;                  // many rows: scores with rows in lanes
+  const int64_t Rp = (it0.R + 15) / 16 * 16;
+  float* kwide = st + Rp * kDecodeChunk;          // (Ep): a widened key row
+  float* vwide = kwide + p.Ep;                    // (kDecodeChunk, Evp): widened value rows
+  float* kchunk = vwide + kDecodeChunk * p.Evp;   // lanes: (kDecodeChunk, Ep) widened key rows
+  auto* pp = reinterpret_cast<uint32_t*>(kchunk + kDecodeChunk * p.Ep);  // bf16 dot: (Rp, kDecodeChunk / 2)
+  float* per_head = reinterpret_cast<float*>(pp + Rp * (kDecodeChunk / 2));
+  const int64_t words = q_words(p.Ep);
+  const int64_t head_floats = p.Ep * Rp + Rp * words;
+  // Head h's lanes: (Ep, Rp) Q^T at per_head + h * head_floats; bf16 dot: (Rp, words) pairs after it.
+  auto qt_of = [&](int64_t h) { return per_head + h * head_floats; };
+  auto q2_of = [&](int64_t h) { return reinterpret_cast<uint32_t*>(per_head + h * head_floats + p.Ep * Rp); };
+  const char* rows[4][kDecodeChunk];              // this step's and the next one's K and V rows
+  float scales[4][kDecodeChunk];
   // Rows that are a whole number of vectors are read in place (widened in registers); others
   // are widened into a zero-padded buffer first.
   // (Ep, Evp are padded to 16 for every ISA: a row shorter than that would be read past its end.)
   const bool k_in_place = p.E == p.Ep, v_in_place = p.Ev == p.Evp;
-  constexpr float kLog2e = 1.4426950408889634f;
   const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
-  const bool modify = p.softcap2 > 0.0f || it.alibi2 != nullptr;
+  const bool modify = p.softcap2 > 0.0f || it0.alibi2 != nullptr;
   // The AVX512-BF16 build's paths (decode_bf16_dot.hpp): bf16 queries dot bf16 keys read in
   // place; bf16 values read in place in 32-element blocks accumulate in a permuted order, by
   // vdpbf16ps for bf16 queries (P rounded to bf16, as the output will be) and by FMA otherwise.
@@ -641,188 +822,93 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv& kv, const Deco
   const bool dot_k = kDotType && p.q_bf16 && k_in_place && !lanes;
   const bool permuted_v = kDotType && v_in_place && p.Evp % 32 == 0;
   const bool dot_v = permuted_v && p.q_bf16;
-  const int64_t words = q_words(p.Ep);
-  const bool v_l1 = v_in_place && (kv.pages == nullptr || kv.page_size >= kDecodeChunk);  // see PvPrefetch
+  const bool v_l1 = v_in_place;  // see PvPrefetch
 
   // Keys outside every row's band are read by no row: past the last row's upper limit, before
   // the first row's lower one. (The driver cuts its ranges to the band already; this trims the
   // ends of an item that straddles them.)
-  int64_t j_begin = it.j0, j_end = it.j1;
+  int64_t j_begin = it0.j0, j_end = it0.j1;
   if (p.band_lo || p.band_hi) {
-    int64_t first = it.query_pos[0], last = it.query_pos[0];
-    for (int64_t r = 1; r < it.R; ++r) {
-      first = it.query_pos[r] < first ? it.query_pos[r] : first;
-      last = it.query_pos[r] > last ? it.query_pos[r] : last;
+    int64_t first = it0.query_pos[0], last = it0.query_pos[0];
+    for (int64_t r = 1; r < it0.R; ++r) {
+      first = it0.query_pos[r] < first ? it0.query_pos[r] : first;
+      last = it0.query_pos[r] > last ? it0.query_pos[r] : last;
     }
-    if (p.band_hi) j_end = imin(j_end, last + kv.hi_offset + 1);
-    if (p.band_lo && first + kv.lo_offset > j_begin) j_begin = first + kv.lo_offset;
+    if (p.band_hi) j_end = imin(j_end, last + kv0.hi_offset + 1);
+    if (p.band_lo && first + kv0.lo_offset > j_begin) j_begin = first + kv0.lo_offset;
   }
-  for (int64_t r = 0; r < it.R; ++r) {
-    it.m[r] = kNegInf;
-    it.l[r] = 0.0f;
-    zero(it.acc + r * p.Evp, p.Evp);
+  for (int64_t h = 0; h < heads; ++h) {
+    const DecodeItem& it = its[h];
+    for (int64_t r = 0; r < it.R; ++r) {
+      it.m[r] = kNegInf;
+      it.l[r] = 0.0f;
+      zero(it.acc + r * p.Evp, p.Evp);
+    }
   }
   if (j_begin >= j_end) return;
-  if (dot_k) pack_query_pairs(it.q, it.R, p.Ep, q2);
-  if (lanes) {
-    for (int64_t e = 0; e < p.Ep; ++e) {
-      for (int64_t r = 0; r < Rp; ++r) qt[e * Rp + r] = r < it.R ? it.q[r * p.Ep + e] : 0.0f;
+  for (int64_t h = 0; h < heads; ++h) {
+    const DecodeItem& it = its[h];
+    if (dot_k) pack_query_pairs(it.q, it.R, p.Ep, q2_of(h));
+    if (lanes) {
+      float* qt = qt_of(h);
+      for (int64_t e = 0; e < p.Ep; ++e) {
+        for (int64_t r = 0; r < Rp; ++r) qt[e * Rp + r] = r < it.R ? it.q[r * p.Ep + e] : 0.0f;
+      }
     }
   }
 
-  int cur = 0;  // rows[2 * cur] (K) and rows[2 * cur + 1] (V) hold the chunk at c0
-  chunk_rows<T>(kv, false, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[0], scales[0]);
-  chunk_rows<T>(kv, true, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[1], scales[1]);
-  for (int64_t c0 = j_begin; c0 < j_end; c0 += kDecodeChunk) {
-    const int64_t nk = imin(kDecodeChunk, j_end - c0);
-    const int64_t nkp = (nk + W - 1) / W * W;
-    const char* const* kr = rows[2 * cur];
-    const char* const* vr = rows[2 * cur + 1];
-    const float* ks = scales[2 * cur];
-    const float* vs = scales[2 * cur + 1];
-    const int64_t c1 = c0 + kDecodeChunk;
-    if (c1 < j_end) {
-      const int nxt = 1 - cur;
-      const int64_t nn = imin(kDecodeChunk, j_end - c1);
-      chunk_rows<T>(kv, false, c1, nn, rows[2 * nxt], scales[2 * nxt]);
-      chunk_rows<T>(kv, true, c1, nn, rows[2 * nxt + 1], scales[2 * nxt + 1]);
-    }
+  const StepShared x{st, kwide, vwide, kchunk, pp, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place,
+                     modify, dot_k, permuted_v, dot_v, v_l1};
 
-    // Prefetch as the scores go: the key row kPrefetchAhead tokens on (into the next chunk at
-    // the end), so memory keeps many lines in flight while the core computes; a burst of
-    // prefetches at once would stall on the fill buffers instead. The values were prefetched
-    // by the last chunk's P.V (PvPrefetch), except the first chunk's and widened ones.
-    const char* const* next_k = c1 < j_end ? rows[2 * (1 - cur)] : nullptr;
-    const int64_t next_n = c1 < j_end ? imin(kDecodeChunk, j_end - c1) : 0;
-    // The tokens' scales, all before the loop: written one by one inside it, each group of four
-    // was read back as one vector (store_scores4x4) right after its scalar stores, which no x86
-    // forwards to a wider load: the load waited for them to reach the cache, a stall per four
-    // tokens (~9 % of the score loop's samples, bf16 K/V).
-    for (int64_t u = 0; u < nk; ++u) kscale[u] = ks[u] * p.scale_log2;
-    for (int64_t u = 0; u < nk; ++u) {
-      const int64_t ua = u + kPrefetchAhead;
-      const char* ahead = ua < nk ? kr[ua] : ua - nk < next_n ? next_k[ua - nk] : nullptr;
-      if (ahead != nullptr) {
-        for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
-      }
-      if (!v_in_place || c0 == j_begin) {  // else the last chunk's P.V prefetched them
-        for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr[u] + b, 0, kPrefetchLocality);
-      }
-      const float s = kscale[u];
-      if (dot_k) {
-        if (u % 4 == 3) dot_scores_tokens4(q2, words, it.R, p.E, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
-      } else if (lanes) {  // gather the chunk's rows; the scores follow, all at once
-        kf[u] = T == KvType::kFloat32 && k_in_place ? reinterpret_cast<const float*>(kr[u])
-                                                    : widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
-      } else if (kScoresByFour) {  // by four tokens, as their rows arrive
-        if (k_in_place) {
-          if (u % 4 == 3) scores_tokens4<T>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
-        } else {
-          kf[u] = widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
-          if (u % 4 == 3) {
-            scores_tokens4<KvType::kFloat32>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kf + u - 3),
-                                             kscale + u - 3, st + u - 3);
-          }
+  // Steps: a chunk of one head. The keys go by groups of whole pages (at least a chunk), and a
+  // group's chunks head after head: for a pool page of every head's rows that is memory order.
+  // rows[2 * cur] (K) and rows[2 * cur + 1] (V) hold the step's rows, rows[2 * (1 - cur) ...]
+  // the next step's, which the step prefetches.
+  const int64_t group = heads > 1 && kv0.page_size > kDecodeChunk
+                            ? (kv0.page_size + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk : kDecodeChunk;
+  int cur = 0;
+  chunk_rows<T>(kv0, false, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[0], scales[0]);
+  chunk_rows<T>(kv0, true, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[1], scales[1]);
+  for (int64_t g0 = j_begin; g0 < j_end; g0 += group) {
+    const int64_t g1 = imin(g0 + group, j_end);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t c0 = g0; c0 < g1; c0 += kDecodeChunk) {
+        const int64_t nk = imin(kDecodeChunk, g1 - c0);
+        // The next step: this head's next chunk of the group, else the next head's first, else the
+        // next group's first head's; c1 = j_end: none.
+        int64_t c1 = c0 + kDecodeChunk, h1 = h, e1 = g1;
+        if (c1 >= g1) {
+          c1 = h + 1 < heads ? g0 : g1, h1 = h + 1 < heads ? h + 1 : 0;
+          e1 = h + 1 < heads ? g1 : imin(g1 + group, j_end);
         }
-      } else if (k_in_place) {
-        scores_token<T>(it.q, it.R, p.Ep, kr[u], s, st + u);
-      } else {
-        scores_token<KvType::kFloat32>(it.q, it.R, p.Ep, widen_row<T>(kr[u], p.E, p.Ep, kwide), s, st + u);
-      }
-    }
-
-    if (dot_k) {  // the last nk % 4 tokens
-      for (int64_t u = nk / 4 * 4; u < nk; ++u) dot_scores_token(q2, words, it.R, p.E, kr[u], kscale[u], st + u);
-    } else if (lanes) {
-      scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
-    } else if (kScoresByFour) {  // the last nk % 4 tokens
-      for (int64_t u = nk / 4 * 4; u < nk; ++u) {
-        if (k_in_place) {
-          scores_token<T>(it.q, it.R, p.Ep, kr[u], kscale[u], st + u);
-        } else {
-          scores_token<KvType::kFloat32>(it.q, it.R, p.Ep, kf[u], kscale[u], st + u);
+        const int64_t next_n = c1 < j_end ? imin(kDecodeChunk, e1 - c1) : 0;
+        const int nxt = 1 - cur;
+        if (next_n > 0) {
+          chunk_rows<T>(kvs[h1], false, c1, next_n, rows[2 * nxt], scales[2 * nxt]);
+          chunk_rows<T>(kvs[h1], true, c1, next_n, rows[2 * nxt + 1], scales[2 * nxt + 1]);
         }
+        const Step sp{qt_of(h), q2_of(h), rows[2 * cur], rows[2 * cur + 1], scales[2 * cur], scales[2 * cur + 1],
+                      rows[2 * nxt], rows[2 * nxt + 1], c0, nk, next_n, c0 == j_begin && h == 0};
+        decode_step<T>(p, kvs[h], its[h], x, sp);
+        cur = 1 - cur;
       }
     }
-
-    for (int64_t r = 0; r < it.R; ++r) {
-      float* sr = st + r * kDecodeChunk;
-      const int64_t i = it.query_pos[r];
-      // One test per row and chunk, none per element, when no variant is used.
-      if (modify) modify_row(p.softcap2, it.alibi2 != nullptr ? it.alibi2[r] : 0.0f, i + kv.diag_offset - c0, nkp, sr);
-      if (it.mask[r] != nullptr) {
-        const float* mr = it.mask[r] + c0 * p.mask_col;
-        for (int64_t u = 0; u < nk; ++u) {
-          const float mv = mr[u * p.mask_col];
-          if (p.mask_is_bool) {
-            if (mv == 0.0f) sr[u] = kNegInf;
-          } else {
-            sr[u] += mv * kLog2e;  // additive masks are in natural-log units
-          }
-        }
-      }
-      // The band last: a key outside it is hidden whatever an additive mask adds.
-      if (p.band_hi) {  // keys j > i + hi_offset
-        const int64_t limit = i + kv.hi_offset;
-        for (int64_t u = limit + 1 - c0 < 0 ? 0 : limit + 1 - c0; u < nk; ++u) sr[u] = kNegInf;
-      }
-      if (p.band_lo) {  // keys j < i + lo_offset
-        const int64_t limit = imin(i + kv.lo_offset - c0, nk);
-        for (int64_t u = 0; u < limit; ++u) sr[u] = kNegInf;
-      }
-      for (int64_t u = nk; u < nkp; ++u) sr[u] = kNegInf;
-
-      // Online softmax over the chunk: new max, rescale, probabilities, sum.
-      vf mx = splat(it.m[r]);
-      for (int64_t u = 0; u < nkp; u += W) mx = vmax(mx, load(sr + u));
-      float m_new = it.m[r];
-      if (m_new == m_new && count_true(mx != mx) == 0) {  // mx's lanes include m_new
-        m_new = hmax(mx);
-      } else {  // a NaN: the first one met, lane by lane
-        for (int l = 0; l < W; ++l) m_new = mx[l] > m_new || mx[l] != mx[l] ? mx[l] : m_new;
-      }
-      const float msafe = m_new == kNegInf ? 0.0f : m_new;  // all hidden so far: exp2 gives 0
-      const float alpha = exp2v(splat(it.m[r] - msafe))[0];
-      vf sum = {};
-      for (int64_t u = 0; u < nkp; u += W) {
-        const vf pu = exp2v(load(sr + u) - msafe);
-        store(sr + u, pu);
-        sum += pu;
-      }
-      it.l[r] = it.l[r] * alpha + hsum(sum);
-      it.m[r] = m_new;
-      float* a = it.acc + r * p.Evp;
-      if (alpha == 0.0f) {  // the old weights underflowed: excluded, as the merge excludes ranges
-        zero(a, p.Evp);
-      } else if (alpha != 1.0f) {
-        for (int64_t c = 0; c < p.Evp; c += W) store(a + c, load(a + c) * alpha);
-      }
-      if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
-        for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
-      }
-      if (dot_v) pack_prob_pairs(sr, nk, pp + r * (kDecodeChunk / 2));
-    }
-
-    const PvPrefetch pf{v_in_place ? rows[2 * (1 - cur) + 1] : nullptr, v_in_place ? next_n : 0, v_l1};
-    if (permuted_v) {
-      pv_chunk_permuted(st, pp, dot_v, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
-    } else if (v_in_place) {
-      pv_chunk<T>(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
-    } else {
-      for (int64_t u = 0; u < nk; ++u) vrow[u] = widen_row<T>(vr[u], p.Ev, p.Evp, vwide + u * p.Evp);
-      pv_chunk<KvType::kFloat32>(st, vrow, nk, it.R, p.Evp, it.acc);
-    }
-    cur = 1 - cur;
   }
-  if (permuted_v) unpermute_rows(it.acc, it.R, p.Evp);
+  if (permuted_v) {
+    for (int64_t h = 0; h < heads; ++h) unpermute_rows(its[h].acc, its[h].R, p.Evp);
+  }
 }
 
-inline void decode_split(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, float* ws) {
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+inline void decode_split(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads, float* ws) {
   switch (p.kv) {
-    case KvType::kFloat32: return decode_split_t<KvType::kFloat32>(p, kv, it, ws);
-    case KvType::kBFloat16: return decode_split_t<KvType::kBFloat16>(p, kv, it, ws);
-    case KvType::kFloat16: return decode_split_t<KvType::kFloat16>(p, kv, it, ws);
-    case KvType::kInt8: return decode_split_t<KvType::kInt8>(p, kv, it, ws);
+    case KvType::kFloat32: return decode_split_t<KvType::kFloat32>(p, kvs, its, heads, ws);
+    case KvType::kBFloat16: return decode_split_t<KvType::kBFloat16>(p, kvs, its, heads, ws);
+    case KvType::kFloat16: return decode_split_t<KvType::kFloat16>(p, kvs, its, heads, ws);
+    case KvType::kInt8: return decode_split_t<KvType::kInt8>(p, kvs, its, heads, ws);
   }
 }
 

@@ -7,7 +7,8 @@
 // head, not once per query head) against keys [j0, j1). It leaves a partial softmax per row
 // (max m, sum l, unnormalised accumulator acc), and the driver merges the ranges through their
 // LSEs. Keys and values are addressed through pages (a contiguous cache is one page), so the
-// same kernel reads attn::PagedKvCache in place.
+// same kernel reads attn::PagedKvCache in place; there one kernel call runs the items of every
+// kv head of a sequence over the same key range together, in the pool's memory order.
 //
 // Variants (SdpaOptions' window_size, softcap, alibi_slopes, sinks): the band (is_causal and the
 // window) is two offsets per DecodeKv, since each sequence of a paged call has its own length;

@@ -24,10 +24,12 @@ const FlashKernel& flash_kernel_avx2();
 const FlashKernel& flash_kernel_generic();
 
 // The split-KV decode kernel of the same builds (decode_kernel.hpp; driver in decode.cpp).
+// split runs one item over `heads` kv heads of one sequence: kv[h] and item[h] share the key
+// range, the rows and the pages; workspace_floats(R, Ep, Evp, heads) sizes its scratch.
 struct DecodeKernel {
   const char* isa;
-  int64_t (*workspace_floats)(int64_t R, int64_t Ep, int64_t Evp);
-  void (*split)(const DecodeParams&, const DecodeKv&, const DecodeItem&, float* workspace);
+  int64_t (*workspace_floats)(int64_t R, int64_t Ep, int64_t Evp, int64_t heads);
+  void (*split)(const DecodeParams&, const DecodeKv* kv, const DecodeItem* item, int64_t heads, float* workspace);
 };
 const DecodeKernel& decode_kernel_avx512();
 const DecodeKernel& decode_kernel_avx512_bf16();  // decode_avx512_bf16.cpp
