@@ -50,6 +50,13 @@
 #include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/flash_bwd_split.hpp"
 
+// GCC 12 reports the AVX-512 intrinsics' own placeholder operand (__Y, _mm512_undefined_ps) as
+// maybe-uninitialized once the block loops are inlined into backward (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace attn::cpu::avx512_bf16 {
 namespace {
 
@@ -92,12 +99,17 @@ void scores(const uint32_t* yt2, const uint16_t* x, int64_t ld, int64_t cols, in
 // above its row's LSE.
 void probabilities(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64_t nk, const float* lse2, float* st) {
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
-  for (int64_t i = 0; i < nk * kBQ; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), scale));
-  mask_block(p, qb, j0, nk, st);
+  // A block no mask touches is scaled in the exponent's pass (one pass over S^T, not two).
+  const bool masked = (p.causal && j0 + nk > qb.i0 + p.causal_offset + 1) || qb.mask != nullptr;
+  if (masked) {
+    for (int64_t i = 0; i < nk * kBQ; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), scale));
+    mask_block(p, qb, j0, nk, st);
+  }
+  const __m512 s = masked ? _mm512_set1_ps(1.0f) : scale;
   const __m512 l0 = _mm512_loadu_ps(lse2), l1 = _mm512_loadu_ps(lse2 + 16);
   for (int64_t jj = 0; jj < nk; ++jj) {
     for (int h = 0; h < 2; ++h) {
-      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(st + jj * kBQ + h * 16), h == 0 ? l0 : l1);
+      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(st + jj * kBQ + h * 16), s), h == 0 ? l0 : l1);
       // min(0, x): a NaN x (a NaN additive mask) stays NaN, as in the float32 kernel.
       _mm512_storeu_ps(st + jj * kBQ + h * 16, exp2_avx512(_mm512_min_ps(_mm512_setzero_ps(), x)));
     }
@@ -337,6 +349,10 @@ int64_t row_dots_workspace_bytes(int64_t E, int64_t Ev) {
 
 }  // namespace
 }  // namespace attn::cpu::avx512_bf16
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 namespace attn::cpu {
 const Bf16BackwardKernel& bf16_backward_avx512() {
