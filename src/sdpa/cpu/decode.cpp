@@ -17,7 +17,8 @@
 //
 // Shapes: an item's partial is R * (Evp + 2) floats (m, l, acc of R = group * L rows), all items'
 // partials live at once in `parts` (items * R * (Evp + 2) floats, small next to K and V: about
-// max(kTargetItems, pairs) ranges per call).
+// max(kTargetItems, pairs) items per call, or max(kTargetItems, N) * heads_kv from a paged
+// cache, whose heads share their ranges).
 #include "sdpa/cpu/flush_denormals.hpp"
 #include "sdpa/cpu/decode.hpp"
 
