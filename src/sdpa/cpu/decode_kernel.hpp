@@ -1,5 +1,7 @@
 // Split-KV decode kernel (flash-decoding) for one work item: R query rows against one kv head's
-// keys [j0, j1), leaving a partial softmax (see decode_params.hpp).
+// keys [j0, j1), leaving a partial softmax (see decode_params.hpp); from a paged cache, one call
+// runs the items of every kv head of a sequence over the same keys, chunk by chunk and head
+// after head (decode_split_t).
 //
 // Included after flash_kernel.hpp by flash_avx512.cpp, flash_avx2.cpp, flash_generic.cpp and
 // decode_avx512_bf16.cpp, so it shares their vector type `vf` (W floats), exp2v and per-ISA
@@ -20,7 +22,7 @@
 // Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
 // per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
 // reach the machine's bandwidth, so the score loop prefetches the key row kPrefetchAhead tokens
-// on, and the P.V tiles the next chunk's value rows as they go (PvPrefetch): each phase keeps
+// on, and the P.V tiles the next step's value rows as they go (PvPrefetch): each phase keeps
 // memory busy while it computes (a burst of prefetches at once stalls on the fill buffers
 // instead; measured).
 //
