@@ -427,6 +427,9 @@ BenchResult run_bench(const BenchConfig& c) {
     paged_options.is_causal = c.causal;
     paged_options.num_threads = threads;
   }
+  // Paged decode over a float cache also times the same copies as dense tensors (an int8 cache
+  // has none: its dense K/V are float32).
+  const bool with_dense = paged && c.decode() && cache_dtype != DType::kInt8;
   if (c.decode()) {
     // The probe's array is freed before the copies are made: the two never add up.
     DecodeResult d;
@@ -437,13 +440,11 @@ BenchResult run_bench(const BenchConfig& c) {
       d.paged_bandwidth = measure_paged_read_bandwidth(threads, d.paged_block_bytes, d.paged_streams);
     }
     d.kv_bytes = kv_bytes(c);
-    // Paged: each copy also stays dense, for the interleaved contiguous calls (twice the bytes),
-    // except under an int8 cache, which no dense call reads (its dense K/V are float32).
-    const bool both = paged && cache_dtype != DType::kInt8;
-    d.copies = kv_copies(d.kv_bytes, last_level_cache_bytes(), available_memory_bytes() / (both ? 2 : 1));
+    // with_dense: each copy also stays dense (twice the bytes).
+    d.copies = kv_copies(d.kv_bytes, last_level_cache_bytes(), available_memory_bytes() / (with_dense ? 2 : 1));
     for (int64_t i = 1; i < d.copies.count; ++i) {
       const int64_t shift = i * 4099;  // elements; a prime, so no copy repeats another's pages
-      if (paged && !both) {  // one dense copy at a time: only the caches stay
+      if (paged && !with_dense) {  // one dense copy at a time: only the caches stay
         caches.push_back(paged_copy(rotated_copy(ks.front(), shift), rotated_copy(vs.front(), shift),
                                     c.page_size, cache_dtype));
         continue;
@@ -470,7 +471,7 @@ BenchResult run_bench(const BenchConfig& c) {
     if (paged) return paged_attention(q_paged, caches[i % caches.size()], seq_ids, paged_options).output;
     return scaled_dot_product_attention(q, ks[i % ks.size()], vs[i % vs.size()], options).output;
   };
-  // Paged decode over a float cache: the same copies as dense tensors of the cache's dtype.
+  // with_dense: the same copies as dense tensors of the cache's dtype.
   const auto contiguous_call = [&](size_t i) {
     return scaled_dot_product_attention(q, ks[i % ks.size()], vs[i % vs.size()], options).output;
   };
@@ -480,17 +481,16 @@ BenchResult run_bench(const BenchConfig& c) {
     const auto stop = Clock::now();  // `out` is freed after the clock stops
     return std::chrono::duration<double, std::milli>(stop - start).count();
   };
-  const bool interleave = paged && r.decode.has_value() && cache_dtype != DType::kInt8;
   size_t calls = 0;
   for (int i = 0; i < c.warmup; ++i) {
-    if (interleave) contiguous_call(calls + 1);
+    if (with_dense) contiguous_call(calls + 1);
     call(calls++);
   }
   r.times_ms.reserve(static_cast<size_t>(c.repeats));
   for (int i = 0; i < c.repeats; ++i) {
     r.times_ms.push_back(timed(call, calls));
     // Another copy than the paged call's: a dense call never finds the paged one's bytes cached.
-    if (interleave) r.decode->contiguous_times_ms.push_back(timed(contiguous_call, calls + 1));
+    if (with_dense) r.decode->contiguous_times_ms.push_back(timed(contiguous_call, calls + 1));
     ++calls;
   }
   if (r.decode) {

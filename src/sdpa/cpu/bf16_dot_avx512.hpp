@@ -23,6 +23,13 @@
 #include "sdpa/cpu/flash_params.hpp"
 #include "sdpa/cpu/residual_avx512.hpp"
 
+// GCC 12 reports the AVX-512 intrinsics' own placeholder operand (__Y, _mm512_undefined_*) in
+// these helpers as maybe-uninitialized (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace attn::cpu::avx512_bf16 {
 namespace {
 
@@ -105,9 +112,19 @@ inline void scores_tile(const uint32_t* qt2, const uint16_t* kr, int64_t k_row, 
   }
 }
 
+// Whether the causal diagonal crosses keys [j0, j0 + nk) of query block b.
+inline bool causal_cuts_block(const FlashParams& p, const QueryBlock& b, int64_t j0, int64_t nk) {
+  return p.causal && j0 + nk > b.i0 + p.causal_offset + 1;
+}
+
+// Whether mask_block changes anything in the block.
+inline bool block_masked(const FlashParams& p, const QueryBlock& b, int64_t j0, int64_t nk) {
+  return causal_cuts_block(p, b, j0, nk) || b.mask != nullptr;
+}
+
 // Causal and explicit masks on S^T, assigning -inf (the float32 kernel's rules).
 inline void mask_block(const FlashParams& p, const QueryBlock& b, int64_t j0, int64_t nk, float* st) {
-  if (p.causal && j0 + nk > b.i0 + p.causal_offset + 1) {
+  if (causal_cuts_block(p, b, j0, nk)) {
     for (int64_t jj = 0; jj < nk; ++jj) {
       const int64_t first_visible_q = j0 + jj - p.causal_offset - b.i0;  // lanes below are hidden
       for (int64_t q = 0; q < imin(first_visible_q, kBQ); ++q) st[jj * kBQ + q] = kNegInf;
@@ -222,3 +239,7 @@ inline void pairs_update(const uint32_t* a, int64_t a_r, int64_t a_t, const uint
 
 }  // namespace
 }  // namespace attn::cpu::avx512_bf16
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif

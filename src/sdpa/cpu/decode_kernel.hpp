@@ -628,7 +628,7 @@ struct StepShared {
   float *st, *kwide, *vwide, *kchunk;
   uint32_t* pp;
   int64_t Rp, words, k_bytes, v_bytes;
-  bool lanes, k_in_place, v_in_place, modify, dot_k, permuted_v, dot_v, v_l1;
+  bool lanes, k_in_place, v_in_place, modify, dot_k, permuted_v, dot_v;
 };
 
 // One step: head `it`'s chunk of nk keys at c0, their rows (kr, vr) and scales (ks, vs), the
@@ -655,7 +655,7 @@ template <KvType T>
 [[gnu::noinline]] void decode_step(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, const StepShared& x,
                                    const Step& sp) {
   const auto& [st, kwide, vwide, kchunk, pp, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place, modify, dot_k,
-               permuted_v, dot_v, v_l1] = x;
+               permuted_v, dot_v] = x;
   const auto& [qt, q2, kr, vr, ks, vs, next_k, next_v, c0, nk, next_n, first_step] = sp;
   const int64_t nkp = (nk + W - 1) / W * W;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -665,7 +665,7 @@ template <KvType T>
   // Prefetch as the scores go: the key row kPrefetchAhead tokens on (into the next chunk at
   // the end), so memory keeps many lines in flight while the core computes; a burst of
   // prefetches at once would stall on the fill buffers instead. The values were prefetched
-  // by the last chunk's P.V (PvPrefetch), except the first chunk's and widened ones.
+  // by the last step's P.V (PvPrefetch), except the first step's and widened ones.
   // The tokens' scales, all before the loop: written one by one inside it, each group of four
   // was read back as one vector (store_scores4x4) right after its scalar stores, which no x86
   // forwards to a wider load: the load waited for them to reach the cache, a stall per four
@@ -775,7 +775,7 @@ template <KvType T>
     if (dot_v) pack_prob_pairs(sr, nk, pp + r * (kDecodeChunk / 2));
   }
 
-  const PvPrefetch pf{v_in_place ? next_v : nullptr, v_in_place ? next_n : 0, v_l1};
+  const PvPrefetch pf{next_v, next_n, true};  // values read in place: the L2 and the L1 prefetch
   if (permuted_v) {
     pv_chunk_permuted(st, pp, dot_v, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
   } else if (v_in_place) {
@@ -824,7 +824,6 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   const bool dot_k = kDotType && p.q_bf16 && k_in_place && !lanes;
   const bool permuted_v = kDotType && v_in_place && p.Evp % 32 == 0;
   const bool dot_v = permuted_v && p.q_bf16;
-  const bool v_l1 = v_in_place;  // see PvPrefetch
 
   // Keys outside every row's band are read by no row: past the last row's upper limit, before
   // the first row's lower one. (The driver cuts its ranges to the band already; this trims the
@@ -860,7 +859,7 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   }
 
   const StepShared x{st, kwide, vwide, kchunk, pp, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place,
-                     modify, dot_k, permuted_v, dot_v, v_l1};
+                     modify, dot_k, permuted_v, dot_v};
 
   // Steps: a chunk of one head. The keys go by groups of whole pages (at least a chunk), and a
   // group's chunks head after head: for a pool page of every head's rows that is memory order.

@@ -38,6 +38,13 @@
 #include "sdpa/cpu/exp2_avx512.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
 
+// GCC 12 reports the AVX-512 intrinsics' own placeholder operand (__Y, _mm512_undefined_*) as
+// maybe-uninitialized once the helpers are inlined into forward_block (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace attn::cpu::avx512_bf16 {
 namespace {
 
@@ -167,6 +174,10 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
 
 }  // namespace
 }  // namespace attn::cpu::avx512_bf16
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 namespace attn::cpu {
 const Bf16ForwardKernel& bf16_kernel_avx512() {

@@ -100,7 +100,7 @@ void scores(const uint32_t* yt2, const uint16_t* x, int64_t ld, int64_t cols, in
 void probabilities(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64_t nk, const float* lse2, float* st) {
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
   // A block no mask touches is scaled in the exponent's pass (one pass over S^T, not two).
-  const bool masked = (p.causal && j0 + nk > qb.i0 + p.causal_offset + 1) || qb.mask != nullptr;
+  const bool masked = block_masked(p, qb, j0, nk);
   if (masked) {
     for (int64_t i = 0; i < nk * kBQ; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), scale));
     mask_block(p, qb, j0, nk, st);
