@@ -794,11 +794,13 @@ template <KvType T>
 // the driver's note in decode.cpp for the measurement). A dense cache comes one head per item.
 // Still not quite the pool's order for pages shorter than a chunk: a head reads its blocks of
 // the chunk's pages, then the next head its blocks of the same pages. Strict memory order was
-// tried (each page run's heads in turn, scores then P.V, the softmax still per chunk): a plain
-// read probe gains 7-10 % from it (2 threads, bf16, 16-token pages, 64 lines prefetched ahead in
-// either order: 31-33 against 27-30 GB/s), but the kernel lost more to its 16-token blocks (each
-// reloads its accumulators, restarts its L1 prefetch): bf16 paged / contiguous on Zen 4 1.17-1.30
-// against 1.10-1.20 in the same runs, and 20 % slower with K/V in the cache.
+// tried (each page run's heads in turn, scores then P.V, the softmax still per chunk). A plain
+// read probe of the same bytes (2 threads, bf16 rows, 8 heads, 16-token pages shuffled, 64 lines
+// prefetched ahead in reading order; 6 interleaved rounds on Zen 4, medians) read 26.8 GB/s in
+// this order, 27.7 in memory order and 28.5 from dense per-head rows: the order is worth ~3 %.
+// The kernel lost more than that to its 16-token blocks (each reloads its accumulators, restarts
+// its L1 prefetch): bf16 paged / contiguous 1.17-1.30 against 1.10-1.20 in the same runs, and
+// 20 % slower with K/V in the cache.
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads, float* ws) {
   const DecodeItem& it0 = its[0];
