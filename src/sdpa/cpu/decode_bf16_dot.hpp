@@ -101,8 +101,28 @@ inline void dot_scores_tokens4(const uint32_t* q2, int64_t words, int64_t R, int
                                const void* const* k, const float* s, float* st) {
   const int64_t R4 = R / 4 * 4;
   for (int64_t r0 = 0; r0 < R4; r0 += 4) dot_scores_rows4_tokens4(q2, words, r0, E, k, s, st);
+  // The other rows: dot_row_bf16's sums (same order, same bits) for the four keys, reduced
+  // together, as scores_tokens4 does.
   for (int64_t r = R4; r < R; ++r) {
-    for (int t = 0; t < 4; ++t) st[r * kDecodeChunk + t] = dot_row_bf16(q2 + r * words, k[t], E) * s[t];
+    const uint32_t* qr = q2 + r * words;
+    __m512 a0[4], a1[4];
+    for (int t = 0; t < 4; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+    int64_t e = 0;
+    for (; e + 64 <= E; e += 64) {
+      const __m512bh q0 = query_block(qr, e), q1 = query_block(qr, e + 32);
+      for (int t = 0; t < 4; ++t) {
+        a0[t] = _mm512_dpbf16_ps(a0[t], q0, key_block(k[t], e, E));
+        a1[t] = _mm512_dpbf16_ps(a1[t], q1, key_block(k[t], e + 32, E));
+      }
+    }
+    if (e < E) {
+      const __m512bh q0 = query_block(qr, e);
+      for (int t = 0; t < 4; ++t) a0[t] = _mm512_dpbf16_ps(a0[t], q0, key_block(k[t], e, E));
+    }
+    float d[4];
+    hsum4(to_vf(_mm512_add_ps(a0[0], a1[0])), to_vf(_mm512_add_ps(a0[1], a1[1])), to_vf(_mm512_add_ps(a0[2], a1[2])),
+          to_vf(_mm512_add_ps(a0[3], a1[3])), d);
+    for (int t = 0; t < 4; ++t) st[r * kDecodeChunk + t] = d[t] * s[t];
   }
 }
 
