@@ -77,7 +77,7 @@ _NO_RNG = torch.zeros(2, dtype=torch.int64)  # never written: saved and read onl
 def _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
              softcap, alibi_slopes, sinks, rng, kernel) -> tuple:
     """The options tuple the bindings read (python/src/torch_ops.cpp's make_options)."""
-    seed, offset = _key(rng)
+    seed, offset = (0, 0) if rng is _NO_RNG else _key(rng)
     return (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
             softcap, _detach(alibi_slopes), _detach(sinks), seed, offset, kernel,
             torch.get_num_threads())
@@ -100,18 +100,38 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---- the operators ----------------------------------------------------------------------------
 # Typed, fixed signatures (a custom op's schema); the keyword conveniences live in the wrappers.
 
+# Whether a profiler is recording: the kernels' record_function ranges cost ~6 us a call, which
+# a decoding loop (one small call per layer and token) would pay for nothing.
+_profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
+def _forward(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale, enable_gqa,
+             window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, need_weights,
+             need_residual, need_lse=True):
+    """attn's forward on the tensors as they are (read in place, never tracked: the bindings
+    ignore requires_grad): (output, lse, weights, output_residual), None for what was not
+    asked for."""
+    options = _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
+                       window_right, softcap, alibi_slopes, sinks, rng, kernel)
+    if _profiler_enabled():  # named on every path, eager included
+        with torch.profiler.record_function("attn.sdpa_forward"):
+            result = _attn._torch_sdpa_forward(query, key, value, attn_mask, options, need_weights,
+                                               need_residual, need_lse)
+    else:
+        result = _attn._torch_sdpa_forward(query, key, value, attn_mask, options, need_weights,
+                                           need_residual, need_lse)
+    _count("sdpa_forward")
+    return result
+
+
 def _sdpa_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
              dropout_p: float, is_causal: bool, bottom_right: bool, scale: Optional[float],
              enable_gqa: bool, window_left: int, window_right: int, softcap: Optional[float],
              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng: Tensor, kernel: str,
              need_weights: bool, need_residual: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    with torch.profiler.record_function("attn.sdpa_forward"):  # named on every path, eager included
-        out, lse, w, res = _attn._torch_sdpa_forward(
-            query.detach(), key.detach(), value.detach(), _detach(attn_mask),
-            _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
-                     window_right, softcap, alibi_slopes, sinks, rng, kernel), need_weights,
-            need_residual)
-    _count("sdpa_forward")
+    out, lse, w, res = _forward(query, key, value, attn_mask, dropout_p, is_causal, bottom_right,
+                                scale, enable_gqa, window_left, window_right, softcap,
+                                alibi_slopes, sinks, rng, kernel, need_weights, need_residual)
     # Two distinct empties: a custom op's outputs may not alias each other.
     return (out, lse, w if w is not None else query.new_empty(0),
             res if res is not None else query.new_empty(0))
@@ -140,12 +160,15 @@ def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: 
                       softcap: Optional[float], alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], rng: Tensor,
                       kernel: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    with torch.profiler.record_function("attn.sdpa_backward"):
-        dq, dk, dv, ds = _attn._torch_sdpa_backward(
-            grad_output.detach(), query.detach(), key.detach(), value.detach(), output.detach(),
-            lse.detach(), residual.detach() if residual.numel() > 0 else None, _detach(attn_mask),
+    args = (grad_output, query, key, value, output, lse,
+            residual if residual.numel() > 0 else None, attn_mask,
             _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                      window_right, softcap, alibi_slopes, sinks, rng, kernel))
+    if _profiler_enabled():
+        with torch.profiler.record_function("attn.sdpa_backward"):
+            dq, dk, dv, ds = _attn._torch_sdpa_backward(*args)
+    else:
+        dq, dk, dv, ds = _attn._torch_sdpa_backward(*args)
     _count("sdpa_backward")
     ds = ds.to(sinks.dtype) if ds is not None else query.new_empty(0)
     return dq, dk, dv, ds
@@ -212,11 +235,12 @@ class _SdpaEager(torch.autograd.Function):
         return _sdpa_grads(ctx, grad_out, _sdpa_backward_impl)
 
 
-def _call_sdpa(args):
+def _call_sdpa(args, need_lse=True):
     """The custom op while torch.compile traces or for tensor subclasses (fake, functional
     tensors...); the same implementation directly otherwise. A call that will need a backward
     in bf16/fp16 also returns the output's float32 residual (attn's need_output_residual),
-    which the backward reads instead of re-deriving the float32 output."""
+    which the backward reads instead of re-deriving the float32 output. A call with no
+    backward to come computes the LSE only when need_lse (else it is None)."""
     query, key, value, sinks = args[0], args[1], args[2], args[13]
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (query, key, value, sinks))
@@ -225,7 +249,7 @@ def _call_sdpa(args):
         return _sdpa_op(*args)
     if grad:
         return _SdpaEager.apply(*args)
-    return _sdpa_impl(*args)
+    return _forward(*args, need_lse=need_lse)
 
 
 @torch.library.custom_op("attn::varlen", mutates_args=(), device_types="cpu")
@@ -235,7 +259,7 @@ def _varlen_op(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_s
                softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                rng: Tensor, kernel: str) -> Tuple[Tensor, Tensor]:
     out, lse = _attn._torch_varlen_forward(
-        query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
         _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                  window_right, softcap, alibi_slopes, sinks, rng, kernel))
     _count("varlen_forward")
@@ -260,8 +284,7 @@ def _varlen_backward_op(grad_output: Tensor, query: Tensor, key: Tensor, value: 
                         alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng: Tensor,
                         kernel: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, ds = _attn._torch_varlen_backward(
-        grad_output.detach(), query.detach(), key.detach(), value.detach(), output.detach(),
-        lse.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
+        grad_output, query, key, value, output, lse, cu_seq_q, cu_seq_k, max_q, max_k,
         _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                  window_right, softcap, alibi_slopes, sinks, rng, kernel))
     _count("varlen_backward")
@@ -315,7 +338,7 @@ def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]], mask: Optional
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise TypeError(f"{name}: attn.torch runs on CPU tensors, got a tensor on {t.device} "
                             f"(use torch's own scaled_dot_product_attention there)")
     for name, t in named[:3]:
@@ -328,7 +351,7 @@ def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]], mask: Optional
     if mask is not None:
         if not isinstance(mask, Tensor):
             raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(mask).__name__}")
-        if mask.device.type != "cpu":
+        if not mask.is_cpu:
             raise TypeError(f"attn_mask: expected a CPU tensor, got a tensor on {mask.device}")
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             raise TypeError(f"attn_mask: expected a bool or floating-point tensor, got {mask.dtype}")
@@ -404,7 +427,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                               bottom_right, None if scale is None else float(scale),
                               bool(enable_gqa), left, right,
                               None if softcap is None else float(softcap), alibi_slopes, sinks,
-                              _draw_rng(dropout_p), kernel or "", bool(need_weights)))
+                              _draw_rng(dropout_p), kernel or "", bool(need_weights)),
+                             need_lse=need_lse)
     if not (need_lse or need_weights):
         return out
     return out, (lse if need_lse else None), (w if need_weights else None)
@@ -489,8 +513,10 @@ def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     reason = _why_not(*args)
     if reason:
         return _fallback(reason, "", *args)
-    try:
-        return scaled_dot_product_attention(*args)
+    try:  # scaled_dot_product_attention's body: _why_not made its checks, F's call has no extras
+        return _call_sdpa((query, key, value, attn_mask, float(dropout_p), bool(is_causal), False,
+                           None if scale is None else float(scale), bool(enable_gqa), -1, -1,
+                           None, None, None, _draw_rng(dropout_p), "", False), need_lse=False)[0]
     except (TypeError, ValueError) as e:  # PyTorch's own then raises if the call is invalid
         return _fallback(f"a call attn refused ({type(e).__name__})", f": {e}", *args)
 

@@ -1,10 +1,11 @@
 // The bindings behind attn.torch (python/attn/torch.py): scaled_dot_product_attention and
 // varlen attention forward and backward on torch tensors, returning torch tensors.
 //
-// In: CPU tensors read in place through DLPack (convert.cpp's sdpa_input: no copy when the
-// strides are non-negative, whatever the layout). Out: tensors that take over the library's
-// storage through DLPack (to_torch), never through NumPy. The backward reads the forward's
-// saved `output` and `lse` in place too (SdpaSaved views).
+// In: CPU tensors read in place, whatever the layout: plain tensors through their attributes
+// (torch_input), others through DLPack (convert.cpp's sdpa_input: no copy when the strides are
+// non-negative). Out: tensors that take over the library's storage through DLPack (to_torch),
+// never through NumPy. The backward reads the forward's saved `output` and `lse` in place too
+// (SdpaSaved views).
 //
 // The options come as one tuple in a fixed order (make_options). Dropout is Philox, keyed by
 // (seed, offset) that torch.py draws from torch's generator; nothing here draws from attn's.
@@ -26,6 +27,75 @@ using namespace nb::literals;
 namespace attn::py {
 namespace {
 
+// torch's Tensor type and the dtypes attn takes in place, looked up once (attn.torch imports
+// torch before it calls in). The references are kept for the life of the process.
+struct TorchTypes {
+  PyTypeObject* tensor;
+  PyObject *f32, *f64, *f16, *bf16, *boolean;
+};
+const TorchTypes& torch_types() {
+  static const TorchTypes t = [] {
+    const nb::module_ torch = nb::module_::import_("torch");
+    auto keep = [&](const char* name) {
+      nb::object o = torch.attr(name);
+      return o.release().ptr();
+    };
+    return TorchTypes{reinterpret_cast<PyTypeObject*>(keep("Tensor")), keep("float32"), keep("float64"),
+                      keep("float16"), keep("bfloat16"), keep("bool")};
+  }();
+  return t;
+}
+
+// A CPU torch.Tensor read in place through its own attributes (dtype, shape, stride, data_ptr):
+// ~1 us, where DLPack (__dlpack_device__, then __dlpack__) costs ~4.5 us a tensor, which a
+// decoding loop pays for every layer and token (L = 1 against 128 keys, 12 heads: the whole
+// forward took ~34 us through DLPack against ~14 us for the kernel). The caller holds the tensor
+// for the call, so nothing else keeps it alive; attn only reads it, so whether it requires grad
+// does not matter. Everything else (subclasses, other dtypes or devices, more than 4 dims, no
+// elements) goes through sdpa_input on the detached tensor, which converts or raises the error
+// naming `arg`.
+Input torch_input(nb::handle obj, const char* arg) {
+  const TorchTypes& tt = torch_types();
+  if (Py_TYPE(obj.ptr()) == tt.tensor && nb::cast<bool>(obj.attr("is_cpu"))) {
+    const nb::object dt = obj.attr("dtype");
+    Input in;
+    DType dtype = DType::kFloat32;
+    bool known = true;
+    if (dt.ptr() == tt.f32) {
+      in.kind = Kind::kFloat32, dtype = DType::kFloat32;
+    } else if (dt.ptr() == tt.bf16) {
+      in.kind = Kind::kBFloat16, dtype = DType::kBFloat16;
+    } else if (dt.ptr() == tt.f16) {
+      in.kind = Kind::kFloat16, dtype = DType::kFloat16;
+    } else if (dt.ptr() == tt.f64) {
+      in.kind = Kind::kFloat64, dtype = DType::kFloat64;
+    } else if (dt.ptr() == tt.boolean) {
+      in.kind = Kind::kBool, dtype = DType::kInt8;  // one byte, 0 or 1, as sdpa_input reads it
+    } else {
+      known = false;
+    }
+    const nb::tuple shape = nb::borrow<nb::tuple>(obj.attr("shape"));
+    const size_t nd = nb::len(shape);
+    if (known && nd <= static_cast<size_t>(kMaxDims)) {
+      const nb::tuple stride = nb::borrow<nb::tuple>(obj.attr("stride")());
+      Shape sizes, strides;
+      int64_t numel = 1;
+      for (size_t i = 0; i < nd; ++i) {
+        sizes.push_back(nb::cast<int64_t>(shape[i]));
+        strides.push_back(nb::cast<int64_t>(stride[i]));
+        numel *= sizes[i];
+      }
+      if (numel > 0) {
+        // The kernels never write through input views, so dropping const is safe.
+        in.view = TensorView(reinterpret_cast<void*>(nb::cast<uintptr_t>(obj.attr("data_ptr")())), dtype, sizes,
+                             strides);
+        return in;
+      }
+    }
+  }
+  return sdpa_input(nb::hasattr(obj, "detach") ? obj.attr("detach")() : nb::borrow(obj), arg, false);
+}
+
 // The options' inputs, kept alive while the options view them.
 struct OptionInputs {
   std::optional<Input> mask, slopes, sinks;
@@ -38,7 +108,7 @@ SdpaOptions make_options(OptionInputs& keep, nb::handle attn_mask, const nb::tup
   if (nb::len(o) != 14) throw nb::type_error("attn.torch: the options tuple must have 14 entries");
   SdpaOptions opt;
   if (!attn_mask.is_none()) {
-    keep.mask = sdpa_input(attn_mask, "attn_mask", false);
+    keep.mask = torch_input(attn_mask, "attn_mask");
     opt.attn_mask = keep.mask->kind == Kind::kBool ? AttnMask::boolean(keep.mask->view)
                                                    : AttnMask::additive(keep.mask->view);
   }
@@ -73,8 +143,7 @@ struct Qkv {
   Input q, k, v;
 };
 Qkv qkv(nb::handle query, nb::handle key, nb::handle value) {
-  Qkv in{sdpa_input(query, "query", false), sdpa_input(key, "key", false),
-         sdpa_input(value, "value", false)};
+  Qkv in{torch_input(query, "query"), torch_input(key, "key"), torch_input(value, "value")};
   for (const Input* x : {&in.q, &in.k, &in.v}) {
     if (x->kind == Kind::kBool) {
       throw nb::type_error("query, key and value must be float32, float64, float16 or bfloat16 "
@@ -86,13 +155,14 @@ Qkv qkv(nb::handle query, nb::handle key, nb::handle value) {
 
 nb::object maybe_torch(Tensor&& t) { return t.defined() ? to_torch(std::move(t)) : nb::none(); }
 
-// (output, lse, weights or None, output_residual or None)
+// (output, lse or None, weights or None, output_residual or None). need_lse: the backward reads
+// it; a call with no backward to come may leave it out.
 nb::tuple sdpa_forward(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask,
-                       const nb::tuple& options, bool need_weights, bool need_residual) {
+                       const nb::tuple& options, bool need_weights, bool need_residual, bool need_lse) {
   const Qkv in = qkv(query, key, value);
   OptionInputs keep;
   SdpaOptions opt = make_options(keep, attn_mask, options);
-  opt.need_lse = true;  // the backward reads it
+  opt.need_lse = need_lse;
   opt.need_weights = need_weights;
   opt.need_output_residual = need_residual;
   SdpaResult r;
@@ -100,7 +170,7 @@ nb::tuple sdpa_forward(nb::handle query, nb::handle key, nb::handle value, nb::h
     nb::gil_scoped_release release;
     r = scaled_dot_product_attention(in.q.view, in.k.view, in.v.view, opt);
   }
-  return nb::make_tuple(to_torch(std::move(r.output)), to_torch(std::move(r.lse)),
+  return nb::make_tuple(to_torch(std::move(r.output)), maybe_torch(std::move(r.lse)),
                         maybe_torch(std::move(r.attn_weights)), maybe_torch(std::move(r.output_residual)));
 }
 
@@ -109,12 +179,12 @@ nb::tuple sdpa_backward(nb::handle grad_output, nb::handle query, nb::handle key
                         nb::handle output, nb::handle lse, nb::handle residual,
                         nb::handle attn_mask, const nb::tuple& options) {
   const Qkv in = qkv(query, key, value);
-  const Input dout = sdpa_input(grad_output, "grad_output", false);
+  const Input dout = torch_input(grad_output, "grad_output");
   OptionInputs keep;
   const SdpaOptions opt = make_options(keep, attn_mask, options);
-  const Input saved_out = sdpa_input(output, "output", false), saved_lse = sdpa_input(lse, "lse", false);
+  const Input saved_out = torch_input(output, "output"), saved_lse = torch_input(lse, "lse");
   std::optional<Input> saved_res;
-  if (!residual.is_none()) saved_res = sdpa_input(residual, "output_residual", false);
+  if (!residual.is_none()) saved_res = torch_input(residual, "output_residual");
   SdpaGrads g;
   {
     nb::gil_scoped_release release;
@@ -148,11 +218,11 @@ nb::tuple varlen_backward(nb::handle grad_output, nb::handle query, nb::handle k
                           nb::handle cu_seq_q, nb::handle cu_seq_k, int64_t max_q, int64_t max_k,
                           const nb::tuple& options) {
   const Qkv in = qkv(query, key, value);
-  const Input dout = sdpa_input(grad_output, "grad_output", false);
+  const Input dout = torch_input(grad_output, "grad_output");
   const Tensor cq = cu_seq_input(cu_seq_q, "cu_seq_q"), ck = cu_seq_input(cu_seq_k, "cu_seq_k");
   OptionInputs keep;
   const SdpaOptions opt = make_options(keep, nb::none(), options);
-  const Input saved_out = sdpa_input(output, "output", false), saved_lse = sdpa_input(lse, "lse", false);
+  const Input saved_out = torch_input(output, "output"), saved_lse = torch_input(lse, "lse");
   SdpaGrads g;
   {
     nb::gil_scoped_release release;
@@ -163,12 +233,12 @@ nb::tuple varlen_backward(nb::handle grad_output, nb::handle query, nb::handle k
                         to_torch(std::move(g.grad_value)), maybe_torch(std::move(g.grad_sinks)));
 }
 
-// For the zero-copy test: each argument's address as the kernels would read it (sdpa_input),
+// For the zero-copy test: each argument's address as the kernels would read it (torch_input),
 // and whether it had to be copied to get there.
 nb::list input_addresses(nb::args tensors) {
   nb::list out;
   for (nb::handle t : tensors) {
-    const Input in = sdpa_input(t, "tensor", false);
+    const Input in = torch_input(t, "tensor");
     out.append(nb::make_tuple(reinterpret_cast<uintptr_t>(in.view.raw_data()), in.copy.defined()));
   }
   return out;
@@ -180,8 +250,9 @@ void bind_torch_ops(nb::module_& m) {
   m.def("_input_addresses", &input_addresses,
         "(address the kernels read, copied?) for each tensor argument: the zero-copy test's probe.");
   m.def("_torch_sdpa_forward", &sdpa_forward, "query"_a, "key"_a, "value"_a, "attn_mask"_a.none(),
-        "options"_a, "need_weights"_a, "need_residual"_a,
-        "attn.torch's forward: (output, lse, weights or None, output_residual or None) as torch tensors.");
+        "options"_a, "need_weights"_a, "need_residual"_a, "need_lse"_a = true,
+        "attn.torch's forward: (output, lse or None, weights or None, output_residual or None) as torch "
+        "tensors.");
   m.def("_torch_sdpa_backward", &sdpa_backward, "grad_output"_a, "query"_a, "key"_a, "value"_a,
         "output"_a, "lse"_a, "residual"_a.none(), "attn_mask"_a.none(), "options"_a,
         "attn.torch's backward: (grad_query, grad_key, grad_value, grad_sinks or None).");

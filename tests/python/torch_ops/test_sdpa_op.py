@@ -126,6 +126,12 @@ def test_lse_and_weights_from_the_fast_path():
     assert not lse.requires_grad and not w.requires_grad and out.requires_grad
     only_lse = at.scaled_dot_product_attention(q, k, v, mask, need_lse=True, **kw)
     assert only_lse[2] is None and torch.equal(only_lse[1], lse)
+    # With no backward to come the forward skips the LSE unless asked (attn.torch._forward).
+    with torch.no_grad():
+        out_ng, lse_ng, w_ng = at.scaled_dot_product_attention(q, k, v, mask, need_lse=True, **kw)
+        plain = at.scaled_dot_product_attention(q, k, v, mask, **kw)
+    assert w_ng is None and torch.equal(lse_ng, lse) and torch.equal(out_ng, only_lse[0].detach())
+    assert torch.equal(plain, out_ng)
 
 
 def test_compile_fullgraph_forward_and_backward():
@@ -160,9 +166,26 @@ def test_contiguous_and_strided_inputs_are_read_in_place():
     x = torch.randn(2, 3, 10, 16)
     strided = torch.randn(2, 10, 3, 16).transpose(1, 2)  # (B, L, H, E) memory, the HF layout
     half = torch.randn(2, 3, 10, 16).bfloat16()
-    for t in (x, strided, half):
+    expanded = torch.randn(1, 3, 1, 16).expand(2, 3, 10, 16)  # zero strides
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    # Plain tensors are read through their attributes; a subclass (here a Parameter that
+    # requires grad) through DLPack, detached: in place either way.
+    param = torch.nn.Parameter(torch.randn(2, 3, 10, 16))
+    for t in (x, strided, half, expanded, mask, param):
         (addr, copied), = at._attn._input_addresses(t)
         assert addr == t.data_ptr() and not copied
+
+
+def test_plain_tensors_and_subclasses_give_the_same_bits():
+    q, k, v, mask, kw = make(CASES[3], torch.float32)
+    plain = at.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), mask, **kw)
+    params = [torch.nn.Parameter(t.detach().clone()) for t in (q, k, v)]
+    out = at.scaled_dot_product_attention(*params, mask, **kw)
+    assert torch.equal(out, plain)
+    got = torch.autograd.grad(out.sum(), params)
+    want = torch.autograd.grad(at.scaled_dot_product_attention(q, k, v, mask, **kw).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_results_are_torch_tensors_owning_attns_memory():
