@@ -13,10 +13,18 @@ rounds, and each figure is the median of its rounds:
   attention ops: PyTorch's aten::_scaled_dot_product_flash_attention_for_cpu (+ _backward), or
   the math path's ops if that ran, against attn.sdpa_forward (+ attn.sdpa_backward).
 
+Decoding (its own section, "Decoding inside PyTorch"): a prompt of --prompt tokens through the
+model once (KV cache), then --new-tokens greedy steps of one token each, every step one L = 1
+SDPA call per layer against the growing cache: the decode loop's wall time per token and, from
+a profiled loop, the attention ops' time per token, with and without the patch (interleaved),
+and whether the two picked the same tokens. Here attn's fixed cost per call matters, not its
+kernels' speed on long rows.
+
 Run it alone on the machine (two cores: anything else running skews every ratio):
 
     .cache/bench-venv/bin/python scripts/bench_torch.py            # -> docs/PERFORMANCE.md (~7 min)
     .cache/bench-venv/bin/python scripts/bench_torch.py --quick    # T=128, 2 layers, stdout only
+    .cache/bench-venv/bin/python scripts/bench_torch.py --decode   # the decoding section only
 
 Needs torch >= 2.4 and transformers in that venv (pip install torch transformers) and attn
 installed there (pip install .).
@@ -36,6 +44,7 @@ import attn.torch as at
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- torch:begin -->", "<!-- torch:end -->"
+DECODE_BEGIN, DECODE_END = "<!-- torch-decode:begin -->", "<!-- torch-decode:end -->"
 TORCH_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
              "aten::_scaled_dot_product_attention_math")
@@ -99,21 +108,111 @@ def measure(model, ids, backward, reps):
     return e2e, attn_t
 
 
+def decode_loop(model, prompt, new_tokens, patched):
+    """Greedy decoding after a prefill of `prompt`: (wall ms of the decode steps, ms spent in
+    F.scaled_dot_product_attention during them, the tokens picked). The SDPA calls are timed
+    by a wrapper around whichever function F.scaled_dot_product_attention is (PyTorch's or
+    the patch's; ~0.2 us a call on both): the profiler's per-op overhead swamps calls this small."""
+    with at.patch(patched), torch.no_grad():
+        inner = torch.nn.functional.scaled_dot_product_attention
+        spent = [0.0]
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            r = inner(*a, **kw)
+            spent[0] += time.perf_counter() - t
+            return r
+
+        out = model(input_ids=prompt, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        picked = [token]
+        torch.nn.functional.scaled_dot_product_attention = timed
+        try:
+            t0 = time.perf_counter()
+            for _ in range(new_tokens):
+                out = model(input_ids=token, past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                picked.append(token)
+            wall = (time.perf_counter() - t0) * 1e3
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = inner
+    return wall, spent[0] * 1e3, torch.cat(picked, 1)
+
+
+def setup(args, layers) -> str:
+    return (f"CPU: {cpu_model()}, {args.threads} threads; torch {torch.__version__}, "
+            f"transformers {transformers.__version__}; GPT-2 small shape ({layers} layers, "
+            f"12 heads, n_embd 768), batch 1")
+
+
+def decode_rows(args, layers) -> list:
+    lines = [f"{setup(args, layers)}; a {args.prompt}-token prompt, then "
+             f"{args.new_tokens} greedy steps (L = 1 against {args.prompt + 1}-"
+             f"{args.prompt + args.new_tokens} cached keys); per generated token, median of "
+             f"{args.reps} interleaved rounds; attention: the wall time of the "
+             f"F.scaled_dot_product_attention calls in the same rounds.",
+             "",
+             "| dtype | attention: torch ms | attention: attn ms | attention speed-up "
+             "| step: torch ms | step: attn ms | step speed-up | same tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model(dtype, layers)
+        prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt),
+                               generator=torch.Generator().manual_seed(args.prompt))
+        for patched in (False, True):  # warm up both paths
+            decode_loop(model, prompt, 4, patched)
+        walls, sdpa = {False: [], True: []}, {False: [], True: []}
+        tokens = {}
+        for _ in range(args.reps):
+            for patched in (False, True):
+                wall, spent, tokens[patched] = decode_loop(model, prompt, args.new_tokens, patched)
+                walls[patched].append(wall / args.new_tokens)
+                sdpa[patched].append(spent / args.new_tokens)
+        att = {p: statistics.median(v) for p, v in sdpa.items()}
+        step_ms = {p: statistics.median(v) for p, v in walls.items()}
+        row = (f"| {str(dtype).split('.')[-1]} | {att[False]:.3f} | {att[True]:.3f} "
+               f"| {att[False] / att[True]:.2f}x | {step_ms[False]:.2f} | {step_ms[True]:.2f} "
+               f"| {step_ms[False] / step_ms[True]:.2f}x "
+               f"| {'yes' if torch.equal(tokens[False], tokens[True]) else 'no'} |")
+        print(row, flush=True)
+        lines.append(row)
+    return lines
+
+
+def splice(text: str, begin: str, end: str, section: str) -> str:
+    if begin in text:
+        return text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+    return text.rstrip("\n") + "\n\n" + section + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", action="store_true", help="the decoding section only")
+    ap.add_argument("--prompt", type=int, default=512, help="decoding: prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decoding: generated tokens")
     ap.add_argument("--output", type=Path, default=ROOT / "docs" / "PERFORMANCE.md",
                     help="the report whose Inside PyTorch section is written (default: "
                          "docs/PERFORMANCE.md; docs/PERFORMANCE-amd-epyc.md on the AMD machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     seqs, layers = ([128], 2) if args.quick else ([512, 2048], 12)
+    if args.quick:
+        args.prompt, args.new_tokens = 32, 8
+    decode_section = "\n".join([DECODE_BEGIN, "## Decoding inside PyTorch (issue 16)", "",
+                                "Generated by `scripts/bench_torch.py --decode` (see its docstring): "
+                                "Hugging Face GPT-2 generation with and without `attn.torch.patch()`.",
+                                "", *decode_rows(args, layers), DECODE_END])
+    if args.quick:
+        print(decode_section)
+    elif args.decode:
+        args.output.write_text(splice(args.output.read_text(), DECODE_BEGIN, DECODE_END, decode_section))
+        print(f"wrote {args.output}")
+        return 0
 
-    lines = [f"CPU: {cpu_model()}, {args.threads} threads; torch {torch.__version__}, "
-             f"transformers {transformers.__version__}; GPT-2 small shape ({layers} layers, "
-             f"12 heads, n_embd 768), batch 1, causal; median of {args.reps} interleaved rounds.",
+    lines = [f"{setup(args, layers)}, causal; median of {args.reps} interleaved rounds.",
              "",
              "| dtype | T | pass | attention: torch ms | attention: attn ms | attention speed-up "
              "| end to end: torch ms | end to end: attn ms | end-to-end speed-up |",
@@ -138,12 +237,8 @@ def main() -> int:
         print(section)
         return 0
     doc = args.output
-    text = doc.read_text()
-    if BEGIN in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    doc.write_text(text)
+    text = splice(doc.read_text(), BEGIN, END, section)
+    doc.write_text(splice(text, DECODE_BEGIN, DECODE_END, decode_section))
     print(f"wrote {doc}")
     return 0
 

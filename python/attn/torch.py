@@ -43,13 +43,16 @@ def call_counts() -> dict:
     varlen_backward) and how many patched calls fell back to PyTorch (fallback). Counted when
     the kernels run, so compiled graphs count too."""
     with _counts_lock:
-        return dict(_counts)
+        counts = dict(_counts)
+    counts["sdpa_forward"] += _attn._torch_sdpa_plain_count()  # the fast path's, counted in C++
+    return counts
 
 
 def reset_call_counts() -> None:
     with _counts_lock:
         for k in _counts:
             _counts[k] = 0
+        _attn._torch_sdpa_plain_count(reset=True)
 
 
 def _count(what: str) -> None:
@@ -103,6 +106,10 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # Whether a profiler is recording: the kernels' record_function ranges cost ~6 us a call, which
 # a decoding loop (one small call per layer and token) would pay for nothing.
 _profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+# True while Dynamo traces (it folds the call to a constant), else a plain `return False`: half
+# the cost of torch.compiler.is_compiling() on a cold cache. Other tracers hand the wrappers
+# tensor subclasses, which take the general path anyway.
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def _forward(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale, enable_gqa,
@@ -330,6 +337,26 @@ _varlen_op.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 # ---- the wrappers -----------------------------------------------------------------------------
 
+def _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The common eager call in one binding call (python/src/torch_ops.cpp's sdpa_plain): plain
+    CPU tensors, no dropout, no gradient to track, no profiler recording, not compiling. None
+    when the call is not of that kind: the general path then checks it (and raises, or under
+    the patch falls back, naming the reason)."""
+    # Dynamo first: it folds _dynamo_compiling() to True and traces none of the rest.
+    if (_dynamo_compiling() or type(query) is not Tensor or type(key) is not Tensor
+            or type(value) is not Tensor or dropout_p or _profiler_enabled()):
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    try:
+        out = _attn._torch_sdpa_plain(query, key, value, attn_mask, bool(is_causal),
+                                      None if scale is None else float(scale), bool(enable_gqa),
+                                      torch.get_num_threads())
+    except (TypeError, ValueError):
+        return None  # the general path says why
+    return out
+
+
 def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]], mask: Optional[Tensor]) -> None:
     """The checks PyTorch's dispatcher would make before attn's own (which name shapes and
     values): torch tensors, on the CPU, of a floating dtype, query/key/value of one dtype."""
@@ -418,6 +445,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     runs repeatable; the masks differ from PyTorch's). TypeError for non-tensors, GPU tensors,
     integer or mixed dtypes; ValueError (from attn) naming the argument for shapes and values.
     """
+    if (not (need_lse or need_weights or kernel) and softcap is None and alibi_slopes is None
+            and sinks is None and causal_alignment == "top_left" and window_size == (-1, -1)):
+        out = _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
     _check_tensors([("query", query), ("key", key), ("value", value),
                     ("alibi_slopes", alibi_slopes), ("sinks", sinks)], attn_mask)
     alibi_slopes, sinks = _head_params(alibi_slopes, sinks)
@@ -509,6 +541,9 @@ def _fallback(reason: str, detail: str, query, key, value, attn_mask, dropout_p,
 
 def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False):
+    out = _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if out is not None:
+        return out
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     reason = _why_not(*args)
     if reason:

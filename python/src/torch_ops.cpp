@@ -13,6 +13,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -101,17 +102,20 @@ struct OptionInputs {
   std::optional<Input> mask, slopes, sinks;
 };
 
+// attn_mask (a tensor) into opt.attn_mask, read in place: bool masks select, others add.
+void set_mask(OptionInputs& keep, SdpaOptions& opt, nb::handle attn_mask) {
+  keep.mask = torch_input(attn_mask, "attn_mask");
+  opt.attn_mask = keep.mask->kind == Kind::kBool ? AttnMask::boolean(keep.mask->view)
+                                                 : AttnMask::additive(keep.mask->view);
+}
+
 // `o`: the options tuple torch.py builds, (dropout_p, is_causal, bottom_right, scale,
 // enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks, seed, offset, kernel,
 // num_threads), the custom ops' arguments in their schema's order.
 SdpaOptions make_options(OptionInputs& keep, nb::handle attn_mask, const nb::tuple& o) {
   if (nb::len(o) != 14) throw nb::type_error("attn.torch: the options tuple must have 14 entries");
   SdpaOptions opt;
-  if (!attn_mask.is_none()) {
-    keep.mask = torch_input(attn_mask, "attn_mask");
-    opt.attn_mask = keep.mask->kind == Kind::kBool ? AttnMask::boolean(keep.mask->view)
-                                                   : AttnMask::additive(keep.mask->view);
-  }
+  if (!attn_mask.is_none()) set_mask(keep, opt, attn_mask);
   const double dropout_p = nb::cast<double>(o[0]);
   if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) {
     throw nb::value_error(("dropout_p must be in [0, 1], got " + std::to_string(dropout_p)).c_str());
@@ -155,6 +159,12 @@ Qkv qkv(nb::handle query, nb::handle key, nb::handle value) {
 
 nb::object maybe_torch(Tensor&& t) { return t.defined() ? to_torch(std::move(t)) : nb::none(); }
 
+// The forward with the GIL released (other Python threads run meanwhile).
+SdpaResult run_sdpa(const Qkv& in, const SdpaOptions& opt) {
+  nb::gil_scoped_release release;
+  return scaled_dot_product_attention(in.q.view, in.k.view, in.v.view, opt);
+}
+
 // (output, lse or None, weights or None, output_residual or None). need_lse: the backward reads
 // it; a call with no backward to come may leave it out.
 nb::tuple sdpa_forward(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask,
@@ -165,11 +175,7 @@ nb::tuple sdpa_forward(nb::handle query, nb::handle key, nb::handle value, nb::h
   opt.need_lse = need_lse;
   opt.need_weights = need_weights;
   opt.need_output_residual = need_residual;
-  SdpaResult r;
-  {
-    nb::gil_scoped_release release;
-    r = scaled_dot_product_attention(in.q.view, in.k.view, in.v.view, opt);
-  }
+  SdpaResult r = run_sdpa(in, opt);
   return nb::make_tuple(to_torch(std::move(r.output)), maybe_torch(std::move(r.lse)),
                         maybe_torch(std::move(r.attn_weights)), maybe_torch(std::move(r.output_residual)));
 }
@@ -233,6 +239,48 @@ nb::tuple varlen_backward(nb::handle grad_output, nb::handle query, nb::handle k
                         to_torch(std::move(g.grad_value)), maybe_torch(std::move(g.grad_sinks)));
 }
 
+// The common eager call in one step, for attn.torch's fast path (torch.py's _plain): plain CPU
+// tensors of one float dtype, a mask that is None or a plain CPU bool/float tensor not requiring
+// grad, no dropout, nothing saved for a backward. Returns the output, or None when the call is
+// not of that kind (the general path then checks, falls back or raises, naming the argument).
+// Cold, after a model's other ops have evicted the caches, the general path's Python layers
+// cost ~50 us a call (L = 1, 40 keys, 12 heads: 180 us against PyTorch's ~100); this one skips
+// them.
+// sdpa_plain's calls, for attn.torch.call_counts(): counted here, where the kernel runs, so the
+// fast path takes no Python lock.
+std::atomic<int64_t> plain_calls{0};
+
+nb::object sdpa_plain(nb::handle query, nb::handle key, nb::handle value, nb::handle attn_mask, bool is_causal,
+                      std::optional<double> scale, bool enable_gqa, int num_threads) {
+  const TorchTypes& tt = torch_types();
+  auto plain = [&](nb::handle t) {
+    return Py_TYPE(t.ptr()) == tt.tensor && nb::cast<bool>(t.attr("is_cpu")) && !nb::cast<bool>(t.attr("is_nested"));
+  };
+  if (!plain(query) || !plain(key) || !plain(value) || num_threads < 0) return nb::none();
+  const nb::object dt = query.attr("dtype");
+  if (dt.ptr() != tt.f32 && dt.ptr() != tt.bf16 && dt.ptr() != tt.f16 && dt.ptr() != tt.f64) return nb::none();
+  if (!key.attr("dtype").is(dt) || !value.attr("dtype").is(dt)) return nb::none();
+  OptionInputs keep;
+  SdpaOptions opt;
+  if (!attn_mask.is_none()) {
+    if (!plain(attn_mask) || nb::cast<bool>(attn_mask.attr("requires_grad"))) return nb::none();
+    const nb::object mdt = attn_mask.attr("dtype");
+    if (mdt.ptr() != tt.boolean && !nb::cast<bool>(mdt.attr("is_floating_point"))) return nb::none();
+    set_mask(keep, opt, attn_mask);
+  }
+  const Qkv in = qkv(query, key, value);
+  opt.is_causal = is_causal;
+  opt.scale = scale;
+  opt.enable_gqa = enable_gqa;
+  opt.num_threads = num_threads;
+  SdpaResult r = run_sdpa(in, opt);
+  plain_calls.fetch_add(1, std::memory_order_relaxed);
+  return to_torch(std::move(r.output));
+}
+
+// sdpa_plain's calls so far; reset: set them back to 0 after reading.
+int64_t plain_count(bool reset) { return reset ? plain_calls.exchange(0) : plain_calls.load(); }
+
 // For the zero-copy test: each argument's address as the kernels would read it (torch_input),
 // and whether it had to be copied to get there.
 nb::list input_addresses(nb::args tensors) {
@@ -253,6 +301,11 @@ void bind_torch_ops(nb::module_& m) {
         "options"_a, "need_weights"_a, "need_residual"_a, "need_lse"_a = true,
         "attn.torch's forward: (output, lse or None, weights or None, output_residual or None) as torch "
         "tensors.");
+  m.def("_torch_sdpa_plain", &sdpa_plain, "query"_a, "key"_a, "value"_a, "attn_mask"_a.none(), "is_causal"_a,
+        "scale"_a.none(), "enable_gqa"_a, "num_threads"_a,
+        "attn.torch's fast path: the output of a plain eager call, or None for the general path.");
+  m.def("_torch_sdpa_plain_count", &plain_count, "reset"_a = false,
+        "How many calls _torch_sdpa_plain ran (and set the count to 0 when reset).");
   m.def("_torch_sdpa_backward", &sdpa_backward, "grad_output"_a, "query"_a, "key"_a, "value"_a,
         "output"_a, "lse"_a, "residual"_a.none(), "attn_mask"_a.none(), "options"_a,
         "attn.torch's backward: (grad_query, grad_key, grad_value, grad_sinks or None).");

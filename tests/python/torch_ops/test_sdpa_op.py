@@ -176,6 +176,24 @@ def test_contiguous_and_strided_inputs_are_read_in_place():
         assert addr == t.data_ptr() and not copied
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_the_fast_path_gives_the_general_paths_bits(dtype):
+    # A plain eager call with nothing to track goes through one binding call (attn.torch._plain);
+    # asking for the LSE takes the general path. Same kernels, same bits, and the fast one counts.
+    for case in CASES:
+        q, k, v, mask, kw = make(case, dtype)
+        with torch.no_grad():
+            before = at._attn._torch_sdpa_plain_count()
+            fast = at.scaled_dot_product_attention(q, k, v, mask, **kw)
+            assert at._attn._torch_sdpa_plain_count() == before + 1, case
+            general, _, _ = at.scaled_dot_product_attention(q, k, v, mask, need_lse=True, **kw)
+            assert at._attn._torch_sdpa_plain_count() == before + 1, case
+            with at.patch():
+                patched = F.scaled_dot_product_attention(q, k, v, mask, **kw)
+        assert at._attn._torch_sdpa_plain_count() == before + 2, case
+        assert fast.dtype == dtype and torch.equal(fast, general) and torch.equal(patched, fast), case
+
+
 def test_plain_tensors_and_subclasses_give_the_same_bits():
     q, k, v, mask, kw = make(CASES[3], torch.float32)
     plain = at.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), mask, **kw)
