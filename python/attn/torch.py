@@ -1,7 +1,8 @@
 """attn inside PyTorch: scaled dot-product attention as a torch custom operator.
 
 ``scaled_dot_product_attention`` takes CPU torch tensors (float32, bfloat16, float16, float64;
-any strides, read in place through DLPack) and returns torch tensors, with PyTorch's argument
+any strides, read in place: plain tensors through their data pointer and strides, subclasses
+through DLPack) and returns torch tensors, with PyTorch's argument
 names and semantics plus attn's variants (window_size, softcap, alibi_slopes, sinks). It is the
 custom operator ``torch.ops.attn.sdpa`` (``torch.library.custom_op``): autograd runs attn's
 fused backward from the saved LSE (never the weights), and a fake implementation lets
