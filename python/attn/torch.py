@@ -30,6 +30,8 @@ from torch import Tensor
 
 from . import _attn
 
+_attn._torch_init(torch)  # the bindings' view of torch.Tensor and its dtypes (torch_ops.cpp)
+
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "patch", "is_patched",
            "call_counts", "reset_call_counts"]
 
@@ -447,7 +449,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     integer or mixed dtypes; ValueError (from attn) naming the argument for shapes and values.
     """
     if (not (need_lse or need_weights or kernel) and softcap is None and alibi_slopes is None
-            and sinks is None and causal_alignment == "top_left" and window_size == (-1, -1)):
+            and sinks is None and causal_alignment == "top_left" and type(window_size) is tuple
+            and window_size == (-1, -1)):
         out = _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out

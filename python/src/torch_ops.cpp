@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "attn/attn.hpp"
@@ -28,23 +29,29 @@ using namespace nb::literals;
 namespace attn::py {
 namespace {
 
-// torch's Tensor type and the dtypes attn takes in place, looked up once (attn.torch imports
-// torch before it calls in). The references are kept for the life of the process.
+// torch's Tensor type and the dtypes attn takes in place, looked up once by _torch_init, which
+// attn/torch.py calls as it is imported (under Python's import lock: a function-local static
+// calling into Python could deadlock a second thread on the static's guard while the first
+// waits for the GIL). The references are kept for the life of the process.
 struct TorchTypes {
-  PyTypeObject* tensor;
-  PyObject *f32, *f64, *f16, *bf16, *boolean;
+  PyTypeObject* tensor = nullptr;
+  PyObject *f32 = nullptr, *f64 = nullptr, *f16 = nullptr, *bf16 = nullptr, *boolean = nullptr;
 };
+TorchTypes g_torch;
+
+void torch_init(nb::handle torch) {
+  if (g_torch.tensor != nullptr) return;
+  auto keep = [&](const char* name) {
+    nb::object o = torch.attr(name);
+    return o.release().ptr();
+  };
+  g_torch = TorchTypes{reinterpret_cast<PyTypeObject*>(keep("Tensor")), keep("float32"), keep("float64"),
+                       keep("float16"), keep("bfloat16"), keep("bool")};
+}
+
 const TorchTypes& torch_types() {
-  static const TorchTypes t = [] {
-    const nb::module_ torch = nb::module_::import_("torch");
-    auto keep = [&](const char* name) {
-      nb::object o = torch.attr(name);
-      return o.release().ptr();
-    };
-    return TorchTypes{reinterpret_cast<PyTypeObject*>(keep("Tensor")), keep("float32"), keep("float64"),
-                      keep("float16"), keep("bfloat16"), keep("bool")};
-  }();
-  return t;
+  if (g_torch.tensor == nullptr) throw std::runtime_error("attn.torch: the bindings were used before _torch_init");
+  return g_torch;
 }
 
 // A CPU torch.Tensor read in place through its own attributes (dtype, shape, stride, data_ptr):
@@ -295,6 +302,7 @@ nb::list input_addresses(nb::args tensors) {
 }  // namespace
 
 void bind_torch_ops(nb::module_& m) {
+  m.def("_torch_init", &torch_init, "torch"_a, "Looks up torch's Tensor type and dtypes (attn.torch calls it once).");
   m.def("_input_addresses", &input_addresses,
         "(address the kernels read, copied?) for each tensor argument: the zero-copy test's probe.");
   m.def("_torch_sdpa_forward", &sdpa_forward, "query"_a, "key"_a, "value"_a, "attn_mask"_a.none(),
