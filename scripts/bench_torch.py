@@ -15,9 +15,11 @@ rounds, and each figure is the median of its rounds:
 
 Decoding (its own section, "Decoding inside PyTorch"): a prompt of --prompt tokens through the
 model once (KV cache), then --new-tokens greedy steps of one token each, every step one L = 1
-SDPA call per layer against the growing cache: the decode loop's wall time per token and, from
-a profiled loop, the attention ops' time per token, with and without the patch (interleaved),
-and whether the two picked the same tokens. Here attn's fixed cost per call matters, not its
+SDPA call per layer against the growing cache: the decode loop's wall time per token and the
+wall time of its F.scaled_dot_product_attention calls (a timing wrapper, not the profiler, whose
+per-op overhead swamps calls this small), with and without the patch (interleaved), and whether
+the two picked the same tokens. A full run writes this section with --reps rounds too; the doc's
+table came from `--decode --reps 15`. Here attn's fixed cost per call matters, not its
 kernels' speed on long rows.
 
 Run it alone on the machine (two cores: anything else running skews every ratio):
