@@ -278,11 +278,17 @@ std::string bf16_auto_declines() { return dot_unit_declines("cpu.flash.avx512 (w
 std::string decode_bf16_auto_declines() { return dot_unit_declines("cpu.decode.avx512"); }
 
 // The table for the call: the AVX512-BF16 kernel takes bf16 only, the AMX one also fp16 and
-// float32 at precision "high" (three bf16 terms) or "medium" (one).
-const cpu::Bf16ForwardKernel& avx512_bf16_table(const SdpaProblem&) { return cpu::bf16_kernel_avx512(); }
-const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p) {
+// float32 at precision "high" (three bf16 terms) or "medium" (one). A bf16 call asking for
+// output_residual gets the AMX table that enters P into P.V as two terms (the AVX512-BF16
+// kernel does so by itself when it forms the residual).
+const cpu::Bf16ForwardKernel& avx512_bf16_table(const SdpaProblem&, const SdpaOptions&) {
+  return cpu::bf16_kernel_avx512();
+}
+const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p, const SdpaOptions& options) {
   if (p.dtype == DType::kFloat16) return cpu::fp16_kernel_amx();
-  if (p.dtype == DType::kBFloat16) return cpu::bf16_kernel_amx();
+  if (p.dtype == DType::kBFloat16) {
+    return options.need_output_residual ? cpu::bf16_residual_kernel_amx() : cpu::bf16_kernel_amx();
+  }
   return p.f32_precision == Float32MatmulPrecision::kMedium ? cpu::fp32_medium_kernel_amx()
                                                             : cpu::fp32_high_kernel_amx();
 }
@@ -310,17 +316,18 @@ SdpaGrads bf16_backward(const TensorView& dout, const TensorView& q, const Tenso
   return cpu::flash_backward_bf16(cpu::bf16_backward_avx512(), dout, q, k, v, forward, options, p);
 }
 
-template <const cpu::Bf16ForwardKernel& (*Table)(const SdpaProblem&)>
+template <const cpu::Bf16ForwardKernel& (*Table)(const SdpaProblem&, const SdpaOptions&)>
 SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SdpaOptions& options, const SdpaProblem& p) {
   const int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   if (!tiles_take_values(q, k, v, p, threads)) return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
-  // The AMX bf16 table rounds P to one bf16 term: its float32 output is not the float32
-  // attention's, which output_residual must carry.
-  if (options.need_output_residual && is_sixteen_bit_float(p.dtype) && !Table(p).residual_ok) {
+  const cpu::Bf16ForwardKernel& table = Table(p, options);
+  // A table whose float32 output is not the float32 attention's (P in one bf16 term) cannot form
+  // output_residual; the tables above pick one that can, and this keeps it so.
+  if (options.need_output_residual && is_sixteen_bit_float(p.dtype) && !table.residual_ok) {
     return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   }
-  return cpu::flash_forward_bf16(Table(p), q, k, v, options, p);
+  return cpu::flash_forward_bf16(table, q, k, v, options, p);
 }
 #endif
 

@@ -12,6 +12,10 @@
 // "high", torch's bf16x3): the six products whose terms' ranks add to at most 2 run (hi.hi,
 // hi.mid, mid.hi, hi.lo, mid.mid, lo.hi); the three dropped are below 2^-24 of the product, the
 // float32 rounding's size. "medium" is T = 1 on float32 inputs: plain bf16 products.
+// P's terms (TP) follow T, except for a bf16 call asked for SdpaResult::output_residual: its
+// float32 output must be the float32 attention's (the backward takes D = rowsum(dO * O) from
+// it; docs/NUMERICS.md), so P enters P.V as two terms, hi + lo, while Q, K and V stay one (two
+// tile products for P.V instead of one: hi.V, lo.V).
 //
 // Shapes and tiling, for a block of BQ = 32 queries (two tiles of 16 rows) of one (batch, head)
 // and BK = 64 keys at a time; Ep = E rounded up to 32, Evp = Ev rounded up to 16, Sp = S rounded
@@ -21,7 +25,7 @@
 //                          tile of 16 keys, Ep/2 rows of 16 (k[n][2e2], k[n][2e2+1]) pairs, the
 //                          B operand's layout (rows = pairs of the reduced dim E, columns = keys)
 //   st (32, 64)      f32   scores, row-major (the tiles' C layout): the softmax is row-wise
-//   pb (T, 32, 64)   bf16  P's terms, row-major: the A operand of P.V
+//   pb (TP, 32, 64)  bf16  P's terms, row-major: the A operand of P.V
 //   vp (T, Sp/2, Evp) u32  V as key pairs (v[2j2][c], v[2j2+1][c]), packed once per head: the
 //                          B operand of P.V, loaded straight from it (stride Evp words)
 //   ob (32, Evp)     f32   output accumulator; its 16x16 tiles are loaded into C tiles,
@@ -180,16 +184,16 @@ inline void pack_v(const void* v, int64_t v_row, int64_t S, int64_t Ev, uint32_t
 
 // T = 3 accumulates each key block's P.V in fresh tiles (pvt below), so one more output-sized
 // buffer.
-template <int T>
+template <int T, int TP>
 inline int64_t workspace_bytes(int64_t E, int64_t Ev) {
-  return T * kBQ * round_up(E, 32) * 2 + kBQ * kBK * 4 + T * kBQ * kBK * 2 + (T == 3 ? 2 : 1) * kBQ * round_up(Ev, 16) * 4;
+  return T * kBQ * round_up(E, 32) * 2 + kBQ * kBK * 4 + TP * kBQ * kBK * 2 + (T == 3 ? 2 : 1) * kBQ * round_up(Ev, 16) * 4;
 }
 
 // One row of the block's scores (base 2 after scaling) through the online softmax: masks, the
-// running max m and sum l, P's T bf16 terms into pb_row (plane stride kBQ * kBK; zero past the
+// running max m and sum l, P's TP bf16 terms into pb_row (plane stride kBQ * kBK; zero past the
 // block's keys), and the rescale of the row's output accumulator. `hi`: keys [0, hi) of the
 // block may be visible.
-template <int T>
+template <int TP>
 inline void softmax_row(const FlashParams& p, const FlashBlock16& b, int64_t q, int64_t j0, int64_t nk,
                         int64_t hi, const float* st_row, uint16_t* pb_row, float& m, float& l, float* ob_row,
                         int64_t evp) {
@@ -236,7 +240,7 @@ inline void softmax_row(const FlashParams& p, const FlashBlock16& b, int64_t q, 
       pr[jj] = dropout_keep(p, b.bh, b.i0 + q, j0 + jj) ? pr[jj] * inv_keep : pr[jj] * 0.0f;
     }
   }
-  for (int v = 0; v < 4; ++v) split16<T>(_mm512_load_ps(pr + 16 * v), pb_row + 16 * v, kBQ * kBK);
+  for (int v = 0; v < 4; ++v) split16<TP>(_mm512_load_ps(pr + 16 * v), pb_row + 16 * v, kBQ * kBK);
   const __m512 av = _mm512_set1_ps(alpha);
   for (int64_t c = 0; c < evp; c += 16) _mm512_storeu_ps(ob_row + c, _mm512_mul_ps(_mm512_loadu_ps(ob_row + c), av));
 }
@@ -283,11 +287,13 @@ inline void scores_32(Tiles& t, const uint16_t* qa, int64_t ep, const uint32_t* 
   t.template store<kC3>(base + 16 * kBK + 16, kBK * 4);
 }
 
-// ob[0:32, c0 : c0 + 16*NC] += pb[:, 0 : 32*ns] . V[j0 : j0 + 32*ns, c0 : ...], NC = 1 or 2.
+// ob[0:32, c0 : c0 + 16*NC] += pb[:, 0 : 32*ns] . V[j0 : j0 + 32*ns, c0 : ...], NC = 1 or 2, over the
+// pairs of P's TP terms and V's T terms that kTermPairs lists for max(T, TP) (T = 1, TP = 2:
+// hi.V and lo.V).
 // T = 3 (float32 "high") starts from zeroed tiles instead (`ob` is then the block's own
 // buffer): the six passes' small products are not rounded against the running output, which the
 // driver adds the block to afterwards.
-template <class Tiles, int T, int NC>
+template <class Tiles, int T, int TP, int NC>
 inline void pv_cols(Tiles& t, const uint16_t* pb, const uint32_t* vp, int64_t v_plane, int64_t evp, int64_t ns,
                     int64_t c0, float* ob) {
   if constexpr (T == 3) {
@@ -305,7 +311,8 @@ inline void pv_cols(Tiles& t, const uint16_t* pb, const uint32_t* vp, int64_t v_
       t.template load<kC3>(ob + 16 * evp + c0 + 16, evp * 4);
     }
   }
-  for (int pair = kNumPairs<T> - 1; pair >= 0; --pair) {  // smallest first: see kTermPairs
+  for (int pair = kNumPairs<(T > TP ? T : TP)> - 1; pair >= 0; --pair) {  // smallest first: see kTermPairs
+    if (kTermPairs[pair][0] >= TP || kTermPairs[pair][1] >= T) continue;
     const uint16_t* pt = pb + kTermPairs[pair][0] * kBQ * kBK;
     const uint32_t* vt = vp + kTermPairs[pair][1] * v_plane;
     for (int64_t s = 0; s < ns; ++s) {
@@ -329,14 +336,14 @@ inline void pv_cols(Tiles& t, const uint16_t* pb, const uint32_t* vp, int64_t v_
   }
 }
 
-// In and out in the same dtype; T terms per value.
-template <class Tiles, Src In, int T>
+// In and out in the same dtype; T terms per value, TP per probability.
+template <class Tiles, Src In, int T, int TP>
 void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace) {
   const int64_t ep = round_up(p.E, 32), evp = round_up(p.Ev, 16);
   auto* qa = static_cast<uint16_t*>(workspace);
   auto* st = reinterpret_cast<float*>(qa + T * kBQ * ep);
   auto* pb = reinterpret_cast<uint16_t*>(st + kBQ * kBK);
-  auto* ob = reinterpret_cast<float*>(pb + T * kBQ * kBK);
+  auto* ob = reinterpret_cast<float*>(pb + TP * kBQ * kBK);
   float* const pvt = T == 3 ? ob + kBQ * evp : ob;  // where P.V of a key block lands (pv_cols)
   const int64_t k_plane = packed_k_words<1>(p.S, p.E), v_plane = packed_v_words<1>(p.S, p.Ev);
 
@@ -347,7 +354,7 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   }
   std::memset(ob, 0, static_cast<size_t>(kBQ * evp) * sizeof(float));
   // Rows past nq are never softmaxed: their P stays 0.
-  for (int t = 0; t < T; ++t) {
+  for (int t = 0; t < TP; ++t) {
     std::memset(pb + (t * kBQ + b.nq) * kBK, 0, static_cast<size_t>((kBQ - b.nq) * kBK) * 2);
   }
   float m[kBQ], l[kBQ];
@@ -365,12 +372,12 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
     for (int64_t q = 0; q < b.nq; ++q) {
       int64_t hi = nk;
       if (p.causal) hi = imin(hi, b.i0 + q + p.causal_offset + 1 - j0);
-      softmax_row<T>(p, b, q, j0, nk, hi, st + q * kBK, pb + q * kBK, m[q], l[q], ob + q * evp, evp);
+      softmax_row<TP>(p, b, q, j0, nk, hi, st + q * kBK, pb + q * kBK, m[q], l[q], ob + q * evp, evp);
     }
     const uint32_t* vp = b.vp + j0 / 2 * evp;
     int64_t c0 = 0;
-    for (; c0 + 32 <= evp; c0 += 32) pv_cols<Tiles, T, 2>(t, pb, vp, v_plane, evp, ns, c0, pvt);
-    if (c0 < evp) pv_cols<Tiles, T, 1>(t, pb, vp, v_plane, evp, ns, c0, pvt);
+    for (; c0 + 32 <= evp; c0 += 32) pv_cols<Tiles, T, TP, 2>(t, pb, vp, v_plane, evp, ns, c0, pvt);
+    if (c0 < evp) pv_cols<Tiles, T, TP, 1>(t, pb, vp, v_plane, evp, ns, c0, pvt);
     if constexpr (T == 3) {
       for (int64_t i = 0; i < b.nq * evp; i += 16) {
         _mm512_storeu_ps(ob + i, _mm512_add_ps(_mm512_loadu_ps(ob + i), _mm512_loadu_ps(pvt + i)));
@@ -406,13 +413,14 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   }
 }
 
-// The driver's table for one Tiles type, input and number of terms: bfloat16 (T = 1), float16
-// (T = 2), float32 "high" (T = 3) or "medium" (T = 1).
-template <class Tiles, Src In, int T>
+// The driver's table for one Tiles type, input and number of terms: bfloat16 (T = 1; TP = 2 for
+// a call that asks for output_residual), float16 (T = 2), float32 "high" (T = 3) or "medium"
+// (T = 1). A float32 output of P to 16 bits or more (TP >= 2) is the float32 attention's.
+template <class Tiles, Src In, int T, int TP = T>
 const Bf16ForwardKernel& kernel_table() {
-  static const Bf16ForwardKernel k{kBQ, workspace_bytes<T>, packed_k_words<T>, pack_k<In, T>,
-                                   packed_v_words<T>, pack_v<In, T>, forward_block<Tiles, In, T>,
-                                   /*residual_ok=*/T >= 2};  // bf16's one term of P is not
+  static const Bf16ForwardKernel k{kBQ, workspace_bytes<T, TP>, packed_k_words<T>, pack_k<In, T>,
+                                   packed_v_words<T>, pack_v<In, T>, forward_block<Tiles, In, T, TP>,
+                                   /*residual_ok=*/TP >= 2};
   return k;
 }
 

@@ -20,7 +20,7 @@
 //   kp   (256/2, Ep)         the group's K as pairs of key rows    (dQ += dS K)
 //   st, dpt (64, 32) f32     S^T -> P^T -> dS^T, and dP^T of one key block, one lane per query
 //   ppq, ppl (64, 16) u32    P^T rows as query pairs, hi and lo terms (the A of dV)
-//   dsq  (64, 16) u32        dS^T rows as query pairs, one term (the A of dK)
+//   dsq, dsql (64, 16) u32   dS^T rows as query pairs, hi and lo terms (the A of dK)
 //   dsk, dskl (32, 32) u32   dS^T as key pairs per query lane, hi and lo (the A of dQ)
 //   dkb, dvb (256, Ep/Evp)   float32 dK, dV of the key group, written once per group
 //   dq   (L, Ep) f32         dQ of the range, written whole at the end
@@ -29,14 +29,18 @@
 // Memory traffic per key group: Q, dO (packed twice each, bf16) and the float32 dQ rows stream
 // once, as in the float32 kernel, at half its bytes for the inputs.
 //
-// Numerics: S and dP are products of bf16 inputs, exact in float32. P (for dV) and dS (for dQ)
-// enter their products as two bf16 terms (hi + lo, 16 significant bits or more; two vdpbf16ps on
-// the same loads of the other operand), dS for dK as one (bf16, nearest even), as FlashAttention's
-// bf16 backward rounds all three. One term for all three put dQ and dV at 2.1-2.3x the error of
-// the float32 reference rounded to bf16 on the accuracy sweep (tests/sdpa/test_low_precision.cpp),
-// over the 2x the rule allows, and dK at 1.74x; with two terms dQ and dV are at 1.0x (the output
-// rounding dominates). The key loop so runs 7 product passes (one term everywhere: 5; two: 8);
-// dK's second term had cost 11 % of the time (AMD Zen 4, L=1024 E=128: 68.8 -> 61.1 ms without it).
+// Numerics: S and dP are products of bf16 inputs, exact in float32. P (for dV) and dS (for dQ and
+// dK) enter their products as two bf16 terms (hi + lo, 16 significant bits or more; two vdpbf16ps
+// on the same loads of the other operand), where FlashAttention's bf16 backward rounds all three
+// to one. One term for all three put dQ and dV at 2.1-2.3x the error of the float32 reference
+// rounded to bf16 on the accuracy sweep (tests/sdpa/test_low_precision.cpp), over the 2x the rule
+// allows; with two terms every gradient is at 1.0x (the output rounding dominates). One term for
+// dK alone measured 1.74x on that sweep, but 2.1x and 2.95x on two cases of the AMX sweep
+// (tests/sdpa/cpu/test_flash_amx.cpp: few queries per key, under GQA, so the dS terms of a key
+// cancel and bf16(dS)'s 2^-9 rounding is large against their sum) and 1.4-1.9x on causal L = 256
+// to 512: the rule needs two there too. The key loop so runs 8 product passes; dK's second term
+// costs 12-18 % of the time (AMD Zen 4, L = 1024, 2 threads: E 64 32.7 -> 36.5 ms, E 128 61.2 ->
+// 68.1 ms).
 // The registry sends NaN/Inf inputs to the float32 kernel (widened), so no guard is needed here.
 #include <immintrin.h>
 
@@ -130,14 +134,14 @@ void dropout_grad(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64_
 // The bf16 operands of a key block's three gradient products, written in one pass over P^T and
 // dP^T (a single read of each, no float32 dS^T stored in between):
 //   pq, pl  (nk, 16)       P_d^T rows as query pairs, two terms          (A of dV += P_d^T dO)
-//   sq      (nk, 16)       dS^T rows as query pairs, one term            (A of dK += dS^T Q)
+//   sq, sql (nk, 16)       dS^T rows as query pairs, two terms           (A of dK += dS^T Q)
 //   sk, sl  (nk2, 32)      dS^T as key pairs per query lane, two terms   (A of dQ += dS K)
 // dS = P (dP - D) scale, P the undropped weights; an odd nk pairs its last key with a zero key.
 // Two terms: hi = x with its low 16 bits cleared (truncation: exact, and a NaN stays NaN as
 // arithmetic NaNs are quiet, bit 22 set) and lo = bf16(x - hi), nearest even: 16 significant bits
-// or more, x - hi - lo within 2^-16 |x|. dK's one term is bf16(dS), nearest even (see the header).
+// or more, x - hi - lo within 2^-16 |x|.
 struct BlockOperands {
-  uint32_t *pq, *pl, *sq, *sk, *sl;
+  uint32_t *pq, *pl, *sq, *sql, *sk, *sl;
 };
 
 inline __m512 high_half(__m512 x) {
@@ -178,7 +182,9 @@ void block_operands(const float* st, const float* pd, const float* dpt, int64_t 
       const __m512 r0 = _mm512_sub_ps(pv[0], high_half(pv[0])), r1 = _mm512_sub_ps(pv[1], high_half(pv[1]));
       _mm512_storeu_si512(o.pq + jj * 16, high_words(pv[0], pv[1]));
       _mm512_storeu_si512(o.pl + jj * 16, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
-      _mm512_storeu_si512(o.sq + jj * 16, (__m512i)_mm512_cvtne2ps_pbh(ds[t][1], ds[t][0]));
+      const __m512 s0 = _mm512_sub_ps(ds[t][0], high_half(ds[t][0])), s1 = _mm512_sub_ps(ds[t][1], high_half(ds[t][1]));
+      _mm512_storeu_si512(o.sq + jj * 16, high_words(ds[t][0], ds[t][1]));
+      _mm512_storeu_si512(o.sql + jj * 16, (__m512i)_mm512_cvtne2ps_pbh(s1, s0));
     }
     for (int hh = 0; hh < 2; ++hh) {
       const __m512 e = ds[0][hh], od = ds[1][hh];
@@ -202,7 +208,7 @@ void lse_base2(const float* lse, int64_t i0, int64_t n, float* lse2) {
 
 int64_t backward_workspace_bytes(int64_t L, int64_t E, int64_t Ev) {
   const int64_t lp = padded_rows(L), ep = r16(E), evp = r16(Ev), e2 = (E + 1) / 2, ev2 = (Ev + 1) / 2;
-  const int64_t words = lp * (e2 + ev2) + lp / 2 * (ep + evp) + kGK / 2 * ep + 3 * kBK * 16 + 2 * (kBK / 2 * kBQ);
+  const int64_t words = lp * (e2 + ev2) + lp / 2 * (ep + evp) + kGK / 2 * ep + 4 * kBK * 16 + 2 * (kBK / 2 * kBQ);
   const int64_t floats = lp * ep + 2 * lp + 3 * kBK * kBQ + kGK * (ep + evp);
   return 4 * (words + floats) + 64;
 }
@@ -276,7 +282,8 @@ void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
   uint32_t* dsk = dsq + kBK * 16;
   uint32_t* ppl = dsk + kBK / 2 * kBQ;
   uint32_t* dskl = ppl + kBK * 16;
-  auto* dq = reinterpret_cast<float*>(dskl + kBK / 2 * kBQ);
+  uint32_t* dsql = dskl + kBK / 2 * kBQ;
+  auto* dq = reinterpret_cast<float*>(dsql + kBK * 16);
   float* lse2 = dq + lp * ep;
   float* dd = lse2 + lp;
   float* st = dd + lp;
@@ -324,11 +331,11 @@ void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
           dropout_grad(p, qb, j0, nk, dpt);
           pd = pdt;
         }
-        block_operands(st, pd, dpt, nk, d0, d1, scale, {ppq, ppl, dsq, dsk, dskl});
+        block_operands(st, pd, dpt, nk, d0, d1, scale, {ppq, ppl, dsq, dsql, dsk, dskl});
         // dV_blk (nk x Ev) += P_d^T (nk x 32) @ dO rows (32 x Ev)
         pairs_update(ppq, 16, 1, dop + i0 / 2 * evp, evp, kBQ / 2, nk, evp, dvb + kk * evp, evp, ppl);
         // dK_blk (nk x E) += dS^T (nk x 32) @ Q rows (32 x E)
-        pairs_update(dsq, 16, 1, qp + i0 / 2 * ep, ep, kBQ / 2, nk, ep, dkb + kk * ep, ep);
+        pairs_update(dsq, 16, 1, qp + i0 / 2 * ep, ep, kBQ / 2, nk, ep, dkb + kk * ep, ep, dsql);
         // dQ rows (32 x E) += dS (32 x nk) @ K rows (nk x E)
         pairs_update(dsk, 1, kBQ, kp + kk / 2 * ep, ep, (nk + 1) / 2, kBQ, ep, dq + i0 * ep, ep, dskl);
       }

@@ -25,19 +25,23 @@ using test::describe;
 using test::MaskKind;
 using test::max_abs_err;
 
+// With o.need_output_residual, the table the registry takes for such a call.
 SdpaResult run_emulated(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaOptions& o,
                         Float32MatmulPrecision precision = Float32MatmulPrecision::kHigh) {
   const detail::SdpaProblem p = detail::check_sdpa(q, k, v, o);
-  return cpu::flash_forward_bf16(cpu::amx_kernel_emulated(q.dtype(), precision), q, k, v, o, p);
+  return cpu::flash_forward_bf16(cpu::amx_kernel_emulated(q.dtype(), precision, o.need_output_residual), q, k, v, o, p);
 }
 
-// What the kernel computes in: bf16 (one term), fp16 (two), float32 "high" (three), "medium" (one).
+// What the kernel computes in: bf16 (one term; P in two with output_residual), fp16 (two),
+// float32 "high" (three), "medium" (one).
 struct Mode {
   DType dtype;
   Float32MatmulPrecision precision;
   const char* name;
+  bool residual = false;
 };
 constexpr Mode kModes[] = {{DType::kBFloat16, Float32MatmulPrecision::kHighest, "bfloat16"},
+                           {DType::kBFloat16, Float32MatmulPrecision::kHighest, "bfloat16 with output_residual", true},
                            {DType::kFloat16, Float32MatmulPrecision::kHighest, "float16"},
                            {DType::kFloat32, Float32MatmulPrecision::kHigh, "float32 high"},
                            {DType::kFloat32, Float32MatmulPrecision::kMedium, "float32 medium"}};
@@ -128,42 +132,47 @@ TEST_P(AmxEmulated, Float32MediumWithinTheBf16Rule) {
   EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * bf16_err + 1e-4) << describe(c) << " (bf16 rule's error " << bf16_err << ")";
 }
 
-// fp16 on the tiles (P in two bf16 terms) forms output_residual itself: output + residual is the
-// float32 attention (far closer to the truth than the fp16 output), and the backward that reads
-// it (widened: no fp16 backward kernel) meets the low-precision rule. bf16's table (one term of P)
-// says it cannot, and the registry sends such calls to the float32 kernel, widened.
-TEST_P(AmxEmulated, Float16OutputResidualFeedsTheBackward) {
+// The tiles form output_residual themselves, P in two bf16 terms: fp16 always, bf16 in the table
+// for such calls (its plain table, one term of P, says it cannot). Output + residual is the
+// float32 attention (far closer to the truth than the 16-bit output), and the backward that reads
+// it (native for bf16, widened for fp16) meets the low-precision rule.
+TEST_P(AmxEmulated, OutputResidualFeedsTheBackward) {
   const Case c = GetParam();
   if (c.L * c.S * c.E > 4'000'000) GTEST_SKIP() << "float64 backward truth too slow for " << describe(c);
   const test::Inputs in = test::make_inputs(c, 26);
-  const DType dt = DType::kFloat16;
-  const Tensor q = in.q.to(dt), k = in.k.to(dt), v = in.v.to(dt);
-  const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
-  SdpaOptions o = in.options;
-  o.need_output_residual = true;
   EXPECT_FALSE(cpu::amx_kernel_emulated(DType::kBFloat16, Float32MatmulPrecision::kHighest).residual_ok);
-  ASSERT_TRUE(cpu::amx_kernel_emulated(dt, Float32MatmulPrecision::kHighest).residual_ok);
-  const SdpaResult f = run_emulated(q, k, v, o);
-  ASSERT_TRUE(f.output_residual.defined());
   SdpaOptions ref = in.options;
   ref.backend = SdpaBackend::kReference;
-  const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q32, k32, v32, ref);
-  Tensor sum = f.output.to(DType::kFloat32);
-  const Tensor res = f.output_residual.to(DType::kFloat32);
-  for (int64_t i = 0; i < sum.numel(); ++i) sum.data()[i] += res.data()[i];
-  // The tiles drop the lo.lo products (2^-16 relative each): output + residual is good to ~2^-16,
-  // measured 1/20-1/40 of the fp16 output's error.
-  EXPECT_LE(max_abs_err(sum, truth.output), max_abs_err(f.output, truth.output) / 8 + 1e-6) << describe(c);
+  for (DType dt : kDtypes) {
+    const std::string what = describe(c) + " " + std::string(dtype_name(dt));
+    const Tensor q = in.q.to(dt), k = in.k.to(dt), v = in.v.to(dt);
+    const Tensor q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32), v32 = v.to(DType::kFloat32);
+    SdpaOptions o = in.options;
+    o.need_output_residual = true;
+    ASSERT_TRUE(cpu::amx_kernel_emulated(dt, Float32MatmulPrecision::kHighest, true).residual_ok) << what;
+    const SdpaResult f = run_emulated(q, k, v, o);
+    ASSERT_TRUE(f.output_residual.defined()) << what;
+    ASSERT_EQ(f.output_residual.dtype(), dt) << what;
+    const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(q32, k32, v32, ref);
+    const double ref_err = max_abs_err(scaled_dot_product_attention(q32, k32, v32, ref).output.to(dt), truth.output);
+    EXPECT_LE(max_abs_err(f.output, truth.output), 2.0 * ref_err + 1e-4) << what;
+    Tensor sum = f.output.to(DType::kFloat32);
+    const Tensor res = f.output_residual.to(DType::kFloat32);
+    for (int64_t i = 0; i < sum.numel(); ++i) sum.data()[i] += res.data()[i];
+    // fp16 drops the lo.lo products, bf16 has none to drop (P's lo times V's one term): output +
+    // residual is good to ~2^-16, measured 1/20-1/40 of the fp16 output's error.
+    EXPECT_LE(max_abs_err(sum, truth.output), max_abs_err(f.output, truth.output) / 8 + 1e-6) << what;
 
-  manual_seed(31);
-  const Tensor dout = randn({c.B, c.Hq, c.L, c.Ev}).to(dt), d32 = dout.to(DType::kFloat32);
-  const reference::SdpaGradsF64 gt = reference::scaled_dot_product_attention_backward_f64(d32, q32, k32, v32, ref);
-  const SdpaResult rf = scaled_dot_product_attention(q32, k32, v32, ref);
-  const SdpaGrads rg = scaled_dot_product_attention_backward(d32, q32, k32, v32, rf, ref);
-  const SdpaGrads g = scaled_dot_product_attention_backward(dout, q, k, v, f, o);
-  EXPECT_LE(max_abs_err(g.grad_query, gt.grad_query), 2.0 * max_abs_err(rg.grad_query.to(dt), gt.grad_query) + 1e-4) << describe(c);
-  EXPECT_LE(max_abs_err(g.grad_key, gt.grad_key), 2.0 * max_abs_err(rg.grad_key.to(dt), gt.grad_key) + 1e-4) << describe(c);
-  EXPECT_LE(max_abs_err(g.grad_value, gt.grad_value), 2.0 * max_abs_err(rg.grad_value.to(dt), gt.grad_value) + 1e-4) << describe(c);
+    manual_seed(31);
+    const Tensor dout = randn({c.B, c.Hq, c.L, c.Ev}).to(dt), d32 = dout.to(DType::kFloat32);
+    const reference::SdpaGradsF64 gt = reference::scaled_dot_product_attention_backward_f64(d32, q32, k32, v32, ref);
+    const SdpaResult rf = scaled_dot_product_attention(q32, k32, v32, ref);
+    const SdpaGrads rg = scaled_dot_product_attention_backward(d32, q32, k32, v32, rf, ref);
+    const SdpaGrads g = scaled_dot_product_attention_backward(dout, q, k, v, f, o);
+    EXPECT_LE(max_abs_err(g.grad_query, gt.grad_query), 2.0 * max_abs_err(rg.grad_query.to(dt), gt.grad_query) + 1e-4) << what;
+    EXPECT_LE(max_abs_err(g.grad_key, gt.grad_key), 2.0 * max_abs_err(rg.grad_key.to(dt), gt.grad_key) + 1e-4) << what;
+    EXPECT_LE(max_abs_err(g.grad_value, gt.grad_value), 2.0 * max_abs_err(rg.grad_value.to(dt), gt.grad_value) + 1e-4) << what;
+  }
 }
 
 TEST_P(AmxEmulated, SameBitsForOneAndTwoThreads) {
@@ -172,11 +181,13 @@ TEST_P(AmxEmulated, SameBitsForOneAndTwoThreads) {
   for (const Mode& mode : kModes) {
     const Tensor q = in.q.to(mode.dtype), k = in.k.to(mode.dtype), v = in.v.to(mode.dtype);
     SdpaOptions o = in.options;
+    o.need_output_residual = mode.residual;
     o.num_threads = 1;
     const SdpaResult one = run_emulated(q, k, v, o, mode.precision);
     o.num_threads = 2;
     const SdpaResult two = run_emulated(q, k, v, o, mode.precision);
     EXPECT_EQ(one.output.to_vector(), two.output.to_vector()) << describe(c) << " " << mode.name;
+    if (mode.residual) EXPECT_EQ(one.output_residual.to_vector(), two.output_residual.to_vector()) << describe(c);
     EXPECT_EQ(one.lse.to_vector(), two.lse.to_vector()) << describe(c) << " " << mode.name;
   }
 }
@@ -199,13 +210,25 @@ TEST(AmxHardware, AgreesWithTheEmulation) {
     for (const Mode& mode : kModes) {
       const Tensor q = in.q.to(mode.dtype), k = in.k.to(mode.dtype), v = in.v.to(mode.dtype);
       SdpaOptions o = in.options;
+      o.need_output_residual = mode.residual;
+      const SdpaResult er = run_emulated(q, k, v, o, mode.precision);
       o.kernel = "cpu.flash.amx_bf16";
       o.float32_matmul_precision = mode.precision;
-      const std::vector<float> hw = scaled_dot_product_attention(q, k, v, o).output.to_vector();
-      const std::vector<float> emu = run_emulated(q, k, v, in.options, mode.precision).output.to_vector();
+      const SdpaResult hr = scaled_dot_product_attention(q, k, v, o);
+      // With the residual, output + residual: the float32 attention, which both carry.
+      auto values = [&](const SdpaResult& r) {
+        std::vector<float> x = r.output.to_vector();
+        if (mode.residual) {
+          const std::vector<float> lo = r.output_residual.to_vector();
+          for (size_t i = 0; i < x.size(); ++i) x[i] += lo[i];
+        }
+        return x;
+      };
+      const std::vector<float> hw = values(hr), emu = values(er);
       ASSERT_EQ(hw.size(), emu.size());
-      // One bf16 output's rounding for the 16-bit modes; float32 outputs agree far closer.
-      const float tol = mode.dtype == DType::kFloat32 ? 1e-5f : 1e-2f;
+      // One bf16 output's rounding for the 16-bit modes; float32 outputs agree far closer, and so
+      // do output + residual (to 16 bits or more).
+      const float tol = mode.dtype == DType::kFloat32 ? 1e-5f : mode.residual ? 1e-4f : 1e-2f;
       for (size_t i = 0; i < hw.size(); ++i) {
         ASSERT_NEAR(hw[i], emu[i], tol * std::max(1.0f, std::fabs(emu[i]))) << describe(c) << " " << mode.name << " element " << i;
       }
