@@ -21,6 +21,7 @@ Importing this module imports torch; ``import attn`` alone never does.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from typing import List, Optional, Sequence, Tuple
@@ -115,6 +116,12 @@ _profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: Tru
 _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
+def _named(name: str):
+    """A profiler range named `name` while a profiler records (on every path, eager included),
+    else a no-op context."""
+    return torch.profiler.record_function(name) if _profiler_enabled() else contextlib.nullcontext()
+
+
 def _forward(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale, enable_gqa,
              window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, need_weights,
              need_residual, need_lse=True):
@@ -123,11 +130,7 @@ def _forward(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, s
     asked for."""
     options = _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                        window_right, softcap, alibi_slopes, sinks, rng, kernel)
-    if _profiler_enabled():  # named on every path, eager included
-        with torch.profiler.record_function("attn.sdpa_forward"):
-            result = _attn._torch_sdpa_forward(query, key, value, attn_mask, options, need_weights,
-                                               need_residual, need_lse)
-    else:
+    with _named("attn.sdpa_forward"):
         result = _attn._torch_sdpa_forward(query, key, value, attn_mask, options, need_weights,
                                            need_residual, need_lse)
     _count("sdpa_forward")
@@ -174,10 +177,7 @@ def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: 
             residual if residual.numel() > 0 else None, attn_mask,
             _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                      window_right, softcap, alibi_slopes, sinks, rng, kernel))
-    if _profiler_enabled():
-        with torch.profiler.record_function("attn.sdpa_backward"):
-            dq, dk, dv, ds = _attn._torch_sdpa_backward(*args)
-    else:
+    with _named("attn.sdpa_backward"):
         dq, dk, dv, ds = _attn._torch_sdpa_backward(*args)
     _count("sdpa_backward")
     ds = ds.to(sinks.dtype) if ds is not None else query.new_empty(0)
