@@ -1086,7 +1086,8 @@ void run(ByteReader& in) {
         SdpaOptions eo = ko;
         eo.kernel.clear();
         const detail::SdpaProblem prob = detail::check_sdpa(q16, k16, v16, eo);
-        return cpu::flash_forward_bf16(cpu::amx_kernel_emulated(dtype), q16, k16, v16, eo, prob);
+        const auto& table = cpu::amx_kernel_emulated(dtype, Float32MatmulPrecision::kHigh, eo.need_output_residual);
+        return cpu::flash_forward_bf16(table, q16, k16, v16, eo, prob);
       }
 #endif
       return scaled_dot_product_attention(q16, k16, v16, ko);
