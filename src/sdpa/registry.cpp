@@ -279,15 +279,16 @@ std::string decode_bf16_auto_declines() { return dot_unit_declines("cpu.decode.a
 
 // The table for the call: the AVX512-BF16 kernel takes bf16 only, the AMX one also fp16 and
 // float32 at precision "high" (three bf16 terms) or "medium" (one). A bf16 call asking for
-// output_residual gets the AMX table that enters P into P.V as two terms (the AVX512-BF16
-// kernel does so by itself when it forms the residual).
+// output_residual, or with Ev under 32, gets the AMX table that enters P into P.V as two terms
+// (cpu::bf16_p_two_terms; the AVX512-BF16 kernel decides so by itself).
 const cpu::Bf16ForwardKernel& avx512_bf16_table(const SdpaProblem&, const SdpaOptions&) {
   return cpu::bf16_kernel_avx512();
 }
 const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p, const SdpaOptions& options) {
   if (p.dtype == DType::kFloat16) return cpu::fp16_kernel_amx();
   if (p.dtype == DType::kBFloat16) {
-    return options.need_output_residual ? cpu::bf16_residual_kernel_amx() : cpu::bf16_kernel_amx();
+    return cpu::bf16_p_two_terms(p.Ev, options.need_output_residual) ? cpu::bf16_residual_kernel_amx()
+                                                                     : cpu::bf16_kernel_amx();
   }
   return p.f32_precision == Float32MatmulPrecision::kMedium ? cpu::fp32_medium_kernel_amx()
                                                             : cpu::fp32_high_kernel_amx();

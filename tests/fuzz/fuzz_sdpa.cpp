@@ -1086,7 +1086,8 @@ void run(ByteReader& in) {
         SdpaOptions eo = ko;
         eo.kernel.clear();
         const detail::SdpaProblem prob = detail::check_sdpa(q16, k16, v16, eo);
-        const auto& table = cpu::amx_kernel_emulated(dtype, Float32MatmulPrecision::kHigh, eo.need_output_residual);
+        const bool two = cpu::bf16_p_two_terms(v16.size(-1), eo.need_output_residual);
+        const auto& table = cpu::amx_kernel_emulated(dtype, Float32MatmulPrecision::kHigh, two);
         return cpu::flash_forward_bf16(table, q16, k16, v16, eo, prob);
       }
 #endif

@@ -24,7 +24,8 @@
 // before P.V (as PyTorch's and FlashAttention's bf16 kernels do); the row sums use the float32
 // P. With SdpaOptions::need_output_residual P enters as two terms (16 significant bits), so that
 // output + output_residual is the float32 attention's output: from the one-term output the
-// backward's D = rowsum(dO * O) measured up to 2.1x the rule's dQ error (E = 1). The registry
+// backward's D = rowsum(dO * O) measured up to 2.1x the rule's dQ error (E = 1). So it does for
+// Ev under 32, where one term broke the rule on the output itself (bf16_p_two_terms). The registry
 // keeps problems whose V holds NaN/Inf away from this kernel (a dropped or masked weight of 0
 // times Inf would be NaN here), and the float32 kernel takes them widened.
 #include <immintrin.h>
@@ -66,7 +67,7 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   auto* ob = reinterpret_cast<float*>(pp2 + kBK / 2 * kBQ);
   // With output_residual asked, the float32 output must be that of float32 P (the backward takes
   // D = rowsum(dO * O) from it): P enters P.V as two bf16 terms, hi + lo, one more product.
-  const bool two_terms = b.o_lo != nullptr;
+  const bool two_terms = bf16_p_two_terms(p.Ev, b.o_lo != nullptr);
 
   for (int64_t e2 = 0; e2 < e2n; ++e2) {
     for (int64_t q = 0; q < kBQ; ++q) qt2[e2 * kBQ + q] = q < b.nq ? pair_at(bq + q * p.q_row, e2, p.E) : 0u;

@@ -15,6 +15,21 @@
 
 namespace attn::cpu {
 
+// Whether a bf16 forward rounds P to two bf16 terms (hi + lo, 16 significant bits) before P.V
+// instead of one (bf16, as PyTorch and FlashAttention do). Two when the call asks for
+// output_residual (the float32 output must be the float32 attention's) and for head dims of
+// values under 32: there one term broke the low-precision rule (error vs float64 at most 2x the
+// float32 reference's rounded to bf16, plus 1e-4): three audits of small problems (L 1-33, S
+// 1-130, GQA, every mask, up to 8 seeds; 1540 bf16 problems; AMD Zen 4) measured the one-term
+// output's error at up to 2.5x that bound at Ev 1, 1.3x at 3, 1.9x at 8, 0.97x at 16, 0.88x at
+// 32 and 64, 0.70x at 128 (tests/sdpa/test_low_precision.cpp keeps the worst as cases). Few
+// output values, each a sum of few weights times values of either sign, leave nothing to
+// average the rounding of P over. A second P.V product costs ~30 % of the forward at E = Ev =
+// 128; at these head dims the scores dominate. At 32 and 64 one term stays within the bound on
+// every problem measured, with 12-30 % to spare.
+constexpr int64_t kBf16OneTermMinEv = 32;
+inline bool bf16_p_two_terms(int64_t Ev, bool residual) { return residual || Ev < kBf16OneTermMinEv; }
+
 struct FlashBlock16 {
   const void* q;       // first query row of the block, in the kernel's input dtype
   const void* k;       // key rows of this head

@@ -69,11 +69,11 @@ struct EmulatedTiles {
 
 }  // namespace
 
-const Bf16ForwardKernel& amx_kernel_emulated(DType dtype, Float32MatmulPrecision precision, bool residual) {
+const Bf16ForwardKernel& amx_kernel_emulated(DType dtype, Float32MatmulPrecision precision, bool p_two_terms) {
   using amx_kernel::Src;
   if (dtype == DType::kFloat16) return amx_kernel::kernel_table<EmulatedTiles, Src::kFp16, 2>();
   if (dtype == DType::kBFloat16) {
-    return residual ? amx_kernel::kernel_table<EmulatedTiles, Src::kBf16, 1, 2>()
+    return p_two_terms ? amx_kernel::kernel_table<EmulatedTiles, Src::kBf16, 1, 2>()
                     : amx_kernel::kernel_table<EmulatedTiles, Src::kBf16, 1>();
   }
   return precision == Float32MatmulPrecision::kMedium ? amx_kernel::kernel_table<EmulatedTiles, Src::kFp32, 1>()

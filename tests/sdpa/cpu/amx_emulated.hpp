@@ -7,11 +7,11 @@
 
 namespace attn::cpu {
 // The table for bfloat16, float16, or float32 at `precision` ("high": three terms, "medium":
-// one); for bfloat16 with `residual`, the one the registry takes for a call asking for
-// output_residual (P as two terms).
+// one); for bfloat16 with `p_two_terms`, the one that rounds P to two bf16 terms (the registry
+// takes it where cpu::bf16_p_two_terms says so).
 const Bf16ForwardKernel& amx_kernel_emulated(DType dtype,
                                              Float32MatmulPrecision precision = Float32MatmulPrecision::kHigh,
-                                             bool residual = false);
+                                             bool p_two_terms = false);
 // True if this CPU has every feature the emulated kernel's AVX-512 code assumes (the AVX512-BF16
 // build's set: avx512f/vl/dq/bw, avx512_bf16, fma). Inline here, so that its callers (built
 // without AVX-512 flags) compile it, never amx_emulated.cpp.

@@ -25,11 +25,13 @@ using test::describe;
 using test::MaskKind;
 using test::max_abs_err;
 
-// With o.need_output_residual, the table the registry takes for such a call.
+// The table the registry takes for the call (bf16: P as two terms with output_residual or a
+// small Ev).
 SdpaResult run_emulated(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaOptions& o,
                         Float32MatmulPrecision precision = Float32MatmulPrecision::kHigh) {
   const detail::SdpaProblem p = detail::check_sdpa(q, k, v, o);
-  return cpu::flash_forward_bf16(cpu::amx_kernel_emulated(q.dtype(), precision, o.need_output_residual), q, k, v, o, p);
+  const bool two = cpu::bf16_p_two_terms(v.size(-1), o.need_output_residual);
+  return cpu::flash_forward_bf16(cpu::amx_kernel_emulated(q.dtype(), precision, two), q, k, v, o, p);
 }
 
 // What the kernel computes in: bf16 (one term; P in two with output_residual), fp16 (two),
