@@ -12,10 +12,11 @@
 // "high", torch's bf16x3): the six products whose terms' ranks add to at most 2 run (hi.hi,
 // hi.mid, mid.hi, hi.lo, mid.mid, lo.hi); the three dropped are below 2^-24 of the product, the
 // float32 rounding's size. "medium" is T = 1 on float32 inputs: plain bf16 products.
-// P's terms (TP) follow T, except for a bf16 call asked for SdpaResult::output_residual: its
-// float32 output must be the float32 attention's (the backward takes D = rowsum(dO * O) from
-// it; docs/NUMERICS.md), so P enters P.V as two terms, hi + lo, while Q, K and V stay one (two
-// tile products for P.V instead of one: hi.V, lo.V).
+// P's terms (TP) follow T, except for a bf16 call asked for SdpaResult::output_residual (its
+// float32 output must be the float32 attention's: the backward takes D = rowsum(dO * O) from
+// it; docs/NUMERICS.md) or with Ev under 32 (one term broke the accuracy rule there;
+// bf16_p_two_terms in flash_bf16.hpp): P enters P.V as two terms, hi + lo, while Q, K and V stay
+// one (two tile products for P.V instead of one: hi.V, lo.V).
 //
 // Shapes and tiling, for a block of BQ = 32 queries (two tiles of 16 rows) of one (batch, head)
 // and BK = 64 keys at a time; Ep = E rounded up to 32, Evp = Ev rounded up to 16, Sp = S rounded

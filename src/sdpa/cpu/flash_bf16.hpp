@@ -65,7 +65,8 @@ const Bf16ForwardKernel& bf16_kernel_avx512();
 // and float32 ones at float32_matmul_precision "high" (three terms) or "medium" (one): built
 // with the same flags plus -mamx-tile -mamx-bf16.
 const Bf16ForwardKernel& bf16_kernel_amx();
-// bf16 with P as two terms (hi + lo), for a call asking for output_residual.
+// bf16 with P as two terms (hi + lo), where bf16_p_two_terms says so (output_residual asked, or
+// Ev under 32).
 const Bf16ForwardKernel& bf16_residual_kernel_amx();
 const Bf16ForwardKernel& fp16_kernel_amx();
 const Bf16ForwardKernel& fp32_high_kernel_amx();
