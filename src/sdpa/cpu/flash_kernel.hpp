@@ -246,8 +246,18 @@ inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t
 template <int JT>
 inline void scores_tiles(const float* qt, const float* k, int64_t k_row, int64_t E, int64_t nk,
                          int64_t chunk, float scale, float* st) {
+  // A tile of one or two keys is a chain of dependent FMAs, several times slower per key than
+  // a full tile; a remainder of 1-3 keys therefore borrows one full tile, and the rest goes by
+  // fours (64 keys in tiles of 7: 8 x 7 + 4 + 4, not 9 x 7 + 1). Each key's sum is the same
+  // in any tile, so the bits do not depend on the split.
+  int64_t full = nk / JT;
+  if (JT > 4 && full > 0 && nk % JT != 0 && nk % JT < 4) --full;
   int64_t jj = 0;
-  for (; jj + JT <= nk; jj += JT) scores_tile<JT>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
+  for (; jj < full * JT; jj += JT) scores_tile<JT>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
+  if constexpr (JT > 4) {
+    for (; jj + 4 <= nk; jj += 4) scores_tile<4>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
+  }
+  for (; jj + 2 <= nk; jj += 2) scores_tile<2>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
   for (; jj < nk; ++jj) scores_tile<1>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
 }
 
