@@ -287,7 +287,7 @@ const cpu::Bf16ForwardKernel& avx512_bf16_table(const SdpaProblem&, const SdpaOp
 const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p, const SdpaOptions& options) {
   if (p.dtype == DType::kFloat16) return cpu::fp16_kernel_amx();
   if (p.dtype == DType::kBFloat16) {
-    return cpu::bf16_p_two_terms(p.Ev, options.need_output_residual) ? cpu::bf16_residual_kernel_amx()
+    return cpu::bf16_p_two_terms(p.Ev, options.need_output_residual) ? cpu::bf16_two_term_kernel_amx()
                                                                      : cpu::bf16_kernel_amx();
   }
   return p.f32_precision == Float32MatmulPrecision::kMedium ? cpu::fp32_medium_kernel_amx()

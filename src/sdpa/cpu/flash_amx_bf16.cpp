@@ -55,7 +55,7 @@ struct AmxTiles {
 
 using amx_kernel::Src;
 const Bf16ForwardKernel& bf16_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kBf16, 1>(); }
-const Bf16ForwardKernel& bf16_residual_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kBf16, 1, 2>(); }
+const Bf16ForwardKernel& bf16_two_term_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kBf16, 1, 2>(); }
 const Bf16ForwardKernel& fp16_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kFp16, 2>(); }
 const Bf16ForwardKernel& fp32_high_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kFp32, 3>(); }
 const Bf16ForwardKernel& fp32_medium_kernel_amx() { return amx_kernel::kernel_table<AmxTiles, Src::kFp32, 1>(); }

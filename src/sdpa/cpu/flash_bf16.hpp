@@ -67,7 +67,7 @@ const Bf16ForwardKernel& bf16_kernel_avx512();
 const Bf16ForwardKernel& bf16_kernel_amx();
 // bf16 with P as two terms (hi + lo), where bf16_p_two_terms says so (output_residual asked, or
 // Ev under 32).
-const Bf16ForwardKernel& bf16_residual_kernel_amx();
+const Bf16ForwardKernel& bf16_two_term_kernel_amx();
 const Bf16ForwardKernel& fp16_kernel_amx();
 const Bf16ForwardKernel& fp32_high_kernel_amx();
 const Bf16ForwardKernel& fp32_medium_kernel_amx();

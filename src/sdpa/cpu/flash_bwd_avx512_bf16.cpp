@@ -162,6 +162,14 @@ inline __m512i high_words(__m512 x0, __m512 x1) {
   return _mm512_permutex2var_epi16(_mm512_castps_si512(x0), odd, _mm512_castps_si512(x1));
 }
 
+// One key row's 32 query lanes (x0: 0..15, x1: 16..31) as 16 query pairs in two terms: hi's
+// pairs to hi_row, lo's to lo_row.
+inline void store_query_pairs(__m512 x0, __m512 x1, uint32_t* hi_row, uint32_t* lo_row) {
+  const __m512 r0 = _mm512_sub_ps(x0, high_half(x0)), r1 = _mm512_sub_ps(x1, high_half(x1));
+  _mm512_storeu_si512(hi_row, high_words(x0, x1));
+  _mm512_storeu_si512(lo_row, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+}
+
 void block_operands(const float* st, const float* pd, const float* dpt, int64_t nk, __m512 d0, __m512 d1, __m512 scale,
                     const BlockOperands& o) {
   for (int64_t j2 = 0; j2 < (nk + 1) / 2; ++j2) {
@@ -179,12 +187,8 @@ void block_operands(const float* st, const float* pd, const float* dpt, int64_t 
         ds[t][hh] = _mm512_mul_ps(_mm512_mul_ps(p, dp), scale);
         pv[hh] = pd == st ? p : _mm512_loadu_ps(pd + jj * kBQ + hh * 16);
       }
-      const __m512 r0 = _mm512_sub_ps(pv[0], high_half(pv[0])), r1 = _mm512_sub_ps(pv[1], high_half(pv[1]));
-      _mm512_storeu_si512(o.pq + jj * 16, high_words(pv[0], pv[1]));
-      _mm512_storeu_si512(o.pl + jj * 16, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
-      const __m512 s0 = _mm512_sub_ps(ds[t][0], high_half(ds[t][0])), s1 = _mm512_sub_ps(ds[t][1], high_half(ds[t][1]));
-      _mm512_storeu_si512(o.sq + jj * 16, high_words(ds[t][0], ds[t][1]));
-      _mm512_storeu_si512(o.sql + jj * 16, (__m512i)_mm512_cvtne2ps_pbh(s1, s0));
+      store_query_pairs(pv[0], pv[1], o.pq + jj * 16, o.pl + jj * 16);
+      store_query_pairs(ds[t][0], ds[t][1], o.sq + jj * 16, o.sql + jj * 16);
     }
     for (int hh = 0; hh < 2; ++hh) {
       const __m512 e = ds[0][hh], od = ds[1][hh];
