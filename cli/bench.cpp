@@ -359,6 +359,7 @@ BenchResult run_bench(const BenchConfig& c) {
   options.enable_gqa = kv_heads != c.heads;
   options.backend = backend_of(c.impl);
   options.kernel = c.kernel;
+  options.allow_fp16_bf16_reduction = c.reduction;
   options.num_threads = threads;
   options.float32_matmul_precision = c.precision == "high"     ? Float32MatmulPrecision::kHigh
                                      : c.precision == "medium" ? Float32MatmulPrecision::kMedium
@@ -548,14 +549,14 @@ std::string format_json(const BenchConfig& c, const BenchResult& r) {
         json_number(d.warm_median_ms, 4), json_number(d.warm_kv_gbps, 3), json_times(d.warm_times_ms));
   }
   return fmt::format(
-      "{{\"impl\": {}, \"kernel\": {}, \"dtype\": {}, \"precision\": {}, \"unit\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
+      "{{\"impl\": {}, \"kernel\": {}, \"dtype\": {}, \"precision\": {}, \"allow_fp16_bf16_reduction\": {}, \"unit\": {}, \"pass\": {}, \"batch\": {}, \"heads\": {}, \"kv_heads\": {}, \"seq\": {}, "
       "\"seq_kv\": {}, \"dim\": {}, \"causal\": {}, \"threads\": {}, \"repeats\": {}, "
       "\"warmup\": {}, \"median_ms\": {}, \"min_ms\": {}, \"gflops\": {}, \"peak_gflops\": {}, "
       "\"peak_ratio\": {}, \"max_rss_mib\": {}, \"blas_core\": {}, \"blas_config\": {}, "
       "\"openblas_coretype\": {}, \"simd\": {}, \"cpu\": {}, \"times_ms\": [{}], "
       "\"kv_dtype\": {}, \"causal_align\": {}, \"page_size\": {}, \"window_left\": {}, "
       "\"window_right\": {}, \"softcap\": {}, \"alibi\": {}, \"sinks\": {}{}}}\n",
-      json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(c.precision), json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
+      json_string(c.impl), json_string(r.kernel), json_string(c.dtype), json_string(c.precision), c.reduction ? "true" : "false", json_string(r.unit), json_string(c.backward ? "backward" : "forward"), c.batch, c.heads, c.kv_heads_or_default(), c.seq,
       c.seq_kv_or_default(), c.dim, c.causal, c.threads_or_default(), c.repeats, c.warmup,
       json_number(r.median_ms, 4), json_number(r.min_ms, 4), json_number(r.gflops, 3),
       json_number(r.peak_gflops, 3), json_number(r.peak_ratio, 5), json_number(r.max_rss_mib, 1),

@@ -52,6 +52,7 @@ struct BenchConfig {
   int64_t page_size = 0;  // > 0: K/V in an attn::PagedKvCache of such pages, read by paged_attention
   bool backward = false;            // time the backward pass
   bool no_residual = false;         // backward of 16-bit inputs without SdpaResult::output_residual
+  bool reduction = false;           // SdpaOptions::allow_fp16_bf16_reduction
   // The variants (SdpaOptions): a sliding window (-1 = unbounded side), softcapping, ALiBi
   // slopes 2^(-8 (h + 1) / H) (BLOOM's), learnable sinks (random logits).
   int64_t window_left = -1, window_right = -1;

@@ -172,6 +172,10 @@ int run(int argc, char** argv) {
                   "With --backward and 16-bit inputs: save no output_residual in the forward (by default "
                   "it is saved, as attn.torch and the modules do), so the backward re-derives the float32 "
                   "output");
+  bench->add_flag("--allow-fp16-bf16-reduction", bench_config.reduction,
+                  "16-bit inputs: SdpaOptions::allow_fp16_bf16_reduction, FlashAttention's numerics (P and dS "
+                  "rounded to one 16-bit term in the backward; the forward's P in one term also when it saves "
+                  "output_residual)");
   bench->add_flag("--json", bench_config.json, "Print one JSON object instead of the table");
   bench->add_flag("--peak-only", bench_config.peak_only,
                   "Only measure the FMA, BF16 dot and AMX tile peaks (where present) and the memory read bandwidth on "

@@ -23,7 +23,10 @@ also tells whether another process had the cores: such a run is retried once, th
                                       # in every dtype against PyTorch's same dtype
 
 --dtypes runs each configuration with q, k, v in each dtype (`attn bench --dtype`, and PyTorch's
-tensors converted to torch.bfloat16 / torch.float16); the reference runs in float32 only.
+tensors converted to torch.bfloat16 / torch.float16); the reference runs in float32 only. The
+pseudo-dtype bf16r is bf16 with `attn bench --allow-fp16-bf16-reduction` (FlashAttention's and
+PyTorch's CPU flash kernel's numerics, docs/NUMERICS.md; PyTorch's side is its plain bf16), on the
+backward rows only: the option changes nothing in the forward.
 
     scripts/bench_suite.py --decode   # decoding shapes (issue 14) -> the "Decode" section of
                                       # docs/PERFORMANCE.md (the rest of the file is kept)
@@ -98,7 +101,8 @@ def torch_worker(spec: dict) -> None:
         return
     gen = torch.Generator().manual_seed(0)
     b, h, hkv, l, s, e = (spec[k] for k in ("batch", "heads", "kv_heads", "seq", "seq_kv", "dim"))
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[spec.get("dtype", "f32")]
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16r": torch.bfloat16,
+             "f16": torch.float16}[spec.get("dtype", "f32")]
     q = torch.randn((b, h, l, e), generator=gen).to(dtype)
     k = torch.randn((b, hkv, s, e), generator=gen).to(dtype)
     v = torch.randn((b, hkv, s, e), generator=gen).to(dtype)
@@ -231,7 +235,9 @@ def run_attn(attn: Path, impl: str, cfg: dict) -> dict:
            "--heads", str(cfg["heads"]), "--kv-heads", str(cfg["kv_heads"]),
            "--seq", str(cfg["seq"]), "--seq-kv", str(cfg["seq_kv"]), "--dim", str(cfg["dim"]),
            "--threads", str(cfg["threads"]), "--repeats", str(cfg["repeats"]),
-           "--warmup", str(cfg["warmup"]), "--dtype", cfg.get("dtype", "f32")]
+           "--warmup", str(cfg["warmup"])]
+    dtype = cfg.get("dtype", "f32")
+    cmd += ["--dtype", "bf16", "--allow-fp16-bf16-reduction"] if dtype == "bf16r" else ["--dtype", dtype]
     if "kv_dtype" in cfg:
         cmd += ["--kv-dtype", cfg["kv_dtype"]]
     if cfg["causal"]:
@@ -327,7 +333,8 @@ def configurations(quick: bool, threads: list[int], backward: bool = True,
                    for l in BACKWARD_SEQS for e in FULL_DIMS for c in (False, True)]
     return [{"batch": BATCH, "heads": HEADS, "kv_heads": HEADS, "seq": l, "seq_kv": l, "dim": e,
              "causal": c, "backward": b, "threads": t, "repeats": r, "warmup": w, "dtype": d}
-            for l, e, c, b, r, w in shapes for t in threads for d in dtypes if backward or not b]
+            for l, e, c, b, r, w in shapes for t in threads for d in dtypes
+            if (backward or not b) and (b or d != "bf16r")]
 
 
 # ---- decode (issue 14) ---------------------------------------------------------------------------
@@ -803,7 +810,9 @@ def render(args, rows, peaks, torch_version, machine, started, elapsed_s, comman
         f"- Inputs: random normal q (B, H, L, E), k and v (B, H, S, E) with B={BATCH}, "
         f"H={HEADS}, S=L; L in {seqs}; drawn in float32 and rounded to the row's dtype "
         "(bf16, f16) for attn and PyTorch alike. kernel: the attn kernel that ran "
-        "(`attn kernels`); a float32 kernel on 16-bit inputs computes them widened.",
+        "(`attn kernels`); a float32 kernel on 16-bit inputs computes them widened. dtype bf16r: "
+        "bf16 with SdpaOptions::allow_fp16_bf16_reduction (backward rows only; PyTorch's side is its "
+        "plain bf16, whose CPU flash kernel has those numerics).",
         "- % of peak: against the FMA peak, except for `cpu.flash.avx512_bf16`, whose roof is the "
         "BF16 dot unit's peak (vdpbf16ps), and `cpu.flash.amx_bf16`, whose roof is the AMX tiles' "
         "(tdpbf16ps), each measured in the same `attn bench` run.",
@@ -862,7 +871,8 @@ def main() -> int:
                         help="the standard shapes only: L in {1024, 4096}, E in {64, 128}, "
                              "causal and not, forward and backward")
     parser.add_argument("--dtypes", default=None,
-                        help="comma-separated dtypes of q, k, v: f32, bf16, f16 (default f32); "
+                        help="comma-separated dtypes of q, k, v: f32, bf16, bf16r (bf16 with "
+                             "--allow-fp16-bf16-reduction, backward rows only), f16 (default f32); "
                              "--decode: of k, v (default f32,bf16,f16)")
     parser.add_argument("--decode", action="store_true",
                         help="the decoding shapes of issue 14 (L <= 16, GB/s of K/V read) into "
@@ -913,8 +923,9 @@ def main() -> int:
     guard = BusyGuard(peaks, max(args.retries, 0), machine.get("cores") or os.cpu_count() or 1)
     rows = []
     dtypes = tuple(args.dtypes.split(","))
-    if not dtypes or any(d not in ("f32", "bf16", "f16") for d in dtypes):
-        parser.error(f"--dtypes must be f32, bf16 or f16 separated by commas, got {args.dtypes!r}")
+    allowed = ("f32", "bf16", "f16") + (() if args.decode else ("bf16r",))
+    if not dtypes or any(d not in allowed for d in dtypes):
+        parser.error(f"--dtypes must be {', '.join(allowed)} separated by commas, got {args.dtypes!r}")
     if args.decode:
         return decode_main(args, output, threads, dtypes, python, torch_version, machine, started,
                            t0_suite, peaks, guard)

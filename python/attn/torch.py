@@ -82,12 +82,12 @@ _NO_RNG = torch.zeros(2, dtype=torch.int64)  # never written: saved and read onl
 
 
 def _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
-             softcap, alibi_slopes, sinks, rng, kernel) -> tuple:
+             softcap, alibi_slopes, sinks, rng, kernel, reduction=False) -> tuple:
     """The options tuple the bindings read (python/src/torch_ops.cpp's make_options)."""
     seed, offset = (0, 0) if rng is _NO_RNG else _key(rng)
     return (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
             softcap, _detach(alibi_slopes), _detach(sinks), seed, offset, kernel,
-            torch.get_num_threads())
+            torch.get_num_threads(), bool(reduction))
 
 
 def _grad_fakes(query, key, value, sinks):
@@ -123,13 +123,13 @@ def _named(name: str):
 
 
 def _forward(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale, enable_gqa,
-             window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, need_weights,
-             need_residual, need_lse=True):
+             window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, reduction,
+             need_weights, need_residual, need_lse=True):
     """attn's forward on the tensors as they are (read in place, never tracked: the bindings
     ignore requires_grad): (output, lse, weights, output_residual), None for what was not
     asked for."""
     options = _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
-                       window_right, softcap, alibi_slopes, sinks, rng, kernel)
+                       window_right, softcap, alibi_slopes, sinks, rng, kernel, reduction)
     with _named("attn.sdpa_forward"):
         result = _attn._torch_sdpa_forward(query, key, value, attn_mask, options, need_weights,
                                            need_residual, need_lse)
@@ -141,10 +141,12 @@ def _sdpa_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Te
              dropout_p: float, is_causal: bool, bottom_right: bool, scale: Optional[float],
              enable_gqa: bool, window_left: int, window_right: int, softcap: Optional[float],
              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng: Tensor, kernel: str,
-             need_weights: bool, need_residual: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+             reduction: bool, need_weights: bool,
+             need_residual: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     out, lse, w, res = _forward(query, key, value, attn_mask, dropout_p, is_causal, bottom_right,
                                 scale, enable_gqa, window_left, window_right, softcap,
-                                alibi_slopes, sinks, rng, kernel, need_weights, need_residual)
+                                alibi_slopes, sinks, rng, kernel, reduction, need_weights,
+                                need_residual)
     # Two distinct empties: a custom op's outputs may not alias each other.
     return (out, lse, w if w is not None else query.new_empty(0),
             res if res is not None else query.new_empty(0))
@@ -156,7 +158,7 @@ _sdpa_op = torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="
 @_sdpa_op.register_fake
 def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale,
                enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel,
-               need_weights, need_residual):
+               reduction, need_weights, need_residual):
     lead = query.shape[:-1]
     out = query.new_empty((*lead, value.shape[-1]))
     lse = query.new_empty(lead, dtype=_lse_dtype(query.dtype))
@@ -171,12 +173,12 @@ def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: 
                       is_causal: bool, bottom_right: bool, scale: Optional[float],
                       enable_gqa: bool, window_left: int, window_right: int,
                       softcap: Optional[float], alibi_slopes: Optional[Tensor],
-                      sinks: Optional[Tensor], rng: Tensor,
-                      kernel: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                      sinks: Optional[Tensor], rng: Tensor, kernel: str,
+                      reduction: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     args = (grad_output, query, key, value, output, lse,
             residual if residual.numel() > 0 else None, attn_mask,
             _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
-                     window_right, softcap, alibi_slopes, sinks, rng, kernel))
+                     window_right, softcap, alibi_slopes, sinks, rng, kernel, reduction))
     with _named("attn.sdpa_backward"):
         dq, dk, dv, ds = _attn._torch_sdpa_backward(*args)
     _count("sdpa_backward")
@@ -191,7 +193,7 @@ _sdpa_backward_op = torch.library.custom_op("attn::sdpa_backward", mutates_args=
 @_sdpa_backward_op.register_fake
 def _sdpa_backward_fake(grad_output, query, key, value, output, lse, residual, attn_mask, dropout_p,
                         is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
-                        softcap, alibi_slopes, sinks, rng, kernel):
+                        softcap, alibi_slopes, sinks, rng, kernel, reduction):
     return _grad_fakes(query, key, value, sinks)
 
 
@@ -201,12 +203,14 @@ def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
 
 def _sdpa_setup(ctx, inputs, output):
     (query, key, value, attn_mask, dropout_p, is_causal, bottom_right, scale, enable_gqa,
-     window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, _, _) = inputs
+     window_left, window_right, softcap, alibi_slopes, sinks, rng, kernel, reduction, _,
+     _) = inputs
     out, lse, w, res = output
     ctx.save_for_backward(query, key, value, out, lse, res, attn_mask, alibi_slopes, sinks, rng)
     ctx.options = (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
                    window_right, softcap)
     ctx.kernel = kernel
+    ctx.reduction = reduction
     ctx.mark_non_differentiable(lse, w, res)
 
 
@@ -216,9 +220,10 @@ def _sdpa_grads(ctx, grad_out, backward):
      softcap) = ctx.options
     dq, dk, dv, ds = backward(grad_out, query, key, value, out, lse, res, attn_mask, dropout_p,
                               is_causal, bottom_right, scale, enable_gqa, window_left,
-                              window_right, softcap, alibi_slopes, sinks, rng, ctx.kernel)
+                              window_right, softcap, alibi_slopes, sinks, rng, ctx.kernel,
+                              ctx.reduction)
     return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
-            ds if sinks is not None else None, None, None, None, None)
+            ds if sinks is not None else None, None, None, None, None, None)
 
 
 def _sdpa_grad(ctx, grad_out, _grad_lse, _grad_w, _grad_res):
@@ -428,7 +433,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  alibi_slopes: Optional[Tensor] = None,
                                  sinks: Optional[Tensor] = None,
                                  causal_alignment: str = "top_left", need_lse: bool = False,
-                                 need_weights: bool = False, kernel: Optional[str] = None):
+                                 need_weights: bool = False, kernel: Optional[str] = None,
+                                 allow_fp16_bf16_reduction: bool = False):
     """torch.nn.functional.scaled_dot_product_attention on attn's kernels.
 
     query (..., L, E), key (..., S, E), value (..., S, Ev) with leading dims (B, H), (H) or
@@ -440,7 +446,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     attn's extras (keyword-only), as in :func:`attn.scaled_dot_product_attention`: window_size
     (left, right), softcap, alibi_slopes (H) or (B, H), sinks (H) (differentiable),
     causal_alignment ("top_left", PyTorch's, or "bottom_right", FlashAttention's), kernel (a
-    name from attn.sdpa_kernels()). With need_lse and/or need_weights the result is a tuple
+    name from attn.sdpa_kernels()), allow_fp16_bf16_reduction (bf16/fp16: FlashAttention's and
+    PyTorch's flash numerics in the backward, ~1.4x faster where attn's native bf16 backward runs,
+    errors within 2x a bf16 math reference's instead of attn's stricter default; the name follows
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp; docs/NUMERICS.md). With need_lse
+    and/or need_weights the result is a tuple
     (output, lse or None, weights or None): lse (..., L) float32 (float64 for float64 inputs),
     natural log; weights (..., L, S) in the inputs' dtype; neither is differentiable.
 
@@ -448,6 +458,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     runs repeatable; the masks differ from PyTorch's). TypeError for non-tensors, GPU tensors,
     integer or mixed dtypes; ValueError (from attn) naming the argument for shapes and values.
     """
+    # The fast path runs no backward, so allow_fp16_bf16_reduction changes nothing there.
     if (not (need_lse or need_weights or kernel) and softcap is None and alibi_slopes is None
             and sinks is None and causal_alignment == "top_left" and type(window_size) is tuple
             and window_size == (-1, -1)):
@@ -463,7 +474,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                               bottom_right, None if scale is None else float(scale),
                               bool(enable_gqa), left, right,
                               None if softcap is None else float(softcap), alibi_slopes, sinks,
-                              _draw_rng(dropout_p), kernel or "", bool(need_weights)),
+                              _draw_rng(dropout_p), kernel or "", bool(allow_fp16_bf16_reduction),
+                              bool(need_weights)),
                              need_lse=need_lse)
     if not (need_lse or need_weights):
         return out
@@ -505,6 +517,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor
 _torch_sdpa = torch.nn.functional.scaled_dot_product_attention
 _patch_lock = threading.Lock()
 _warned: set = set()
+# The patch's allow_fp16_bf16_reduction (one slot, process-wide like the patch itself).
+_patch_reduction = [False]
 
 
 def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str:
@@ -555,7 +569,8 @@ def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     try:  # scaled_dot_product_attention's body: _why_not made its checks, F's call has no extras
         return _call_sdpa((query, key, value, attn_mask, float(dropout_p), bool(is_causal), False,
                            None if scale is None else float(scale), bool(enable_gqa), -1, -1,
-                           None, None, None, _draw_rng(dropout_p), "", False), need_lse=False)[0]
+                           None, None, None, _draw_rng(dropout_p), "", _patch_reduction[0], False),
+                          need_lse=False)[0]
     except (TypeError, ValueError) as e:  # PyTorch's own then raises if the call is invalid
         return _fallback(f"a call attn refused ({type(e).__name__})", f": {e}", *args)
 
@@ -580,12 +595,18 @@ class patch:
     scaled_dot_product_attention``) keeps PyTorch's. The patch is process-wide (it sets a
     module attribute), not per thread. Under torch.compile a call attn refuses only at run time
     (a shape or value its own checks reject) raises instead of falling back.
+
+    ``allow_fp16_bf16_reduction=True`` gives the patched calls that option of
+    :func:`scaled_dot_product_attention` (PyTorch's own CPU flash kernel has these numerics; attn's
+    default is more exact and slower in the bf16 backward).
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, *, allow_fp16_bf16_reduction: bool = False):
         with _patch_lock:
             self._previous = torch.nn.functional.scaled_dot_product_attention
+            self._previous_reduction = _patch_reduction[0]
             _install(_patched_sdpa if enabled else _torch_sdpa)
+            _patch_reduction[0] = bool(allow_fp16_bf16_reduction)
 
     def __enter__(self):
         return self
@@ -593,4 +614,5 @@ class patch:
     def __exit__(self, *exc):
         with _patch_lock:
             _install(self._previous)  # whatever was there before, another wrapper included
+            _patch_reduction[0] = self._previous_reduction
         return False

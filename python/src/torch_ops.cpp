@@ -118,9 +118,9 @@ void set_mask(OptionInputs& keep, SdpaOptions& opt, nb::handle attn_mask) {
 
 // `o`: the options tuple torch.py builds, (dropout_p, is_causal, bottom_right, scale,
 // enable_gqa, window_left, window_right, softcap, alibi_slopes, sinks, seed, offset, kernel,
-// num_threads), the custom ops' arguments in their schema's order.
+// num_threads, allow_fp16_bf16_reduction), the custom ops' arguments in their schema's order.
 SdpaOptions make_options(OptionInputs& keep, nb::handle attn_mask, const nb::tuple& o) {
-  if (nb::len(o) != 14) throw nb::type_error("attn.torch: the options tuple must have 14 entries");
+  if (nb::len(o) != 15) throw nb::type_error("attn.torch: the options tuple must have 15 entries");
   SdpaOptions opt;
   if (!attn_mask.is_none()) set_mask(keep, opt, attn_mask);
   const double dropout_p = nb::cast<double>(o[0]);
@@ -147,6 +147,7 @@ SdpaOptions make_options(OptionInputs& keep, nb::handle attn_mask, const nb::tup
     throw nb::value_error(("num_threads must be >= 0, got " + std::to_string(num_threads)).c_str());
   }
   opt.num_threads = num_threads;
+  opt.allow_fp16_bf16_reduction = nb::cast<bool>(o[14]);
   return opt;
 }
 

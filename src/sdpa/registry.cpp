@@ -287,7 +287,8 @@ const cpu::Bf16ForwardKernel& avx512_bf16_table(const SdpaProblem&, const SdpaOp
 const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p, const SdpaOptions& options) {
   if (p.dtype == DType::kFloat16) return cpu::fp16_kernel_amx();
   if (p.dtype == DType::kBFloat16) {
-    return cpu::bf16_p_two_terms(p.Ev, options.need_output_residual) ? cpu::bf16_two_term_kernel_amx()
+    const bool residual = options.need_output_residual && !options.allow_fp16_bf16_reduction;
+    return cpu::bf16_p_two_terms(p.Ev, residual) ? cpu::bf16_two_term_kernel_amx()
                                                                      : cpu::bf16_kernel_amx();
   }
   return p.f32_precision == Float32MatmulPrecision::kMedium ? cpu::fp32_medium_kernel_amx()
@@ -325,7 +326,8 @@ SdpaResult bf16_forward(const TensorView& q, const TensorView& k, const TensorVi
   const cpu::Bf16ForwardKernel& table = Table(p, options);
   // A table whose float32 output is not the float32 attention's (P in one bf16 term) cannot form
   // output_residual; the tables above pick one that can, and this keeps it so.
-  if (options.need_output_residual && is_sixteen_bit_float(p.dtype) && !table.residual_ok) {
+  if (options.need_output_residual && is_sixteen_bit_float(p.dtype) && !table.residual_ok &&
+      !options.allow_fp16_bf16_reduction) {
     return fused_forward<cpu::flash_kernel_avx512>(q, k, v, options, p);
   }
   return cpu::flash_forward_bf16(table, q, k, v, options, p);

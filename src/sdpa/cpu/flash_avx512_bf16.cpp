@@ -67,7 +67,7 @@ void forward_block(const FlashParams& p, const FlashBlock16& b, void* workspace)
   auto* ob = reinterpret_cast<float*>(pp2 + kBK / 2 * kBQ);
   // With output_residual asked, the float32 output must be that of float32 P (the backward takes
   // D = rowsum(dO * O) from it): P enters P.V as two bf16 terms, hi + lo, one more product.
-  const bool two_terms = bf16_p_two_terms(p.Ev, b.o_lo != nullptr);
+  const bool two_terms = bf16_p_two_terms(p.Ev, b.o_lo != nullptr && !p.reduction);
 
   for (int64_t e2 = 0; e2 < e2n; ++e2) {
     for (int64_t q = 0; q < kBQ; ++q) qt2[e2 * kBQ + q] = q < b.nq ? pair_at(bq + q * p.q_row, e2, p.E) : 0u;

@@ -55,7 +55,8 @@ struct Bf16ForwardKernel {
   void (*forward_block)(const FlashParams& p, const FlashBlock16& b, void* workspace);
   // Whether the float32 output it computes when FlashBlock16::o_lo is set is the float32
   // attention's (P.V with P to 16 or more bits), which SdpaResult::output_residual must carry;
-  // the registry sends a call asking for the residual elsewhere when not.
+  // the registry sends a call asking for the residual elsewhere when not, unless the call allows
+  // fp16/bf16 reduction (the residual then carries the one-term P's float32 output).
   bool residual_ok;
 };
 

@@ -40,7 +40,10 @@
 // cancel and bf16(dS)'s 2^-9 rounding is large against their sum) and 1.4-1.9x on causal L = 256
 // to 512: the rule needs two there too. The key loop so runs 8 product passes; dK's second term
 // costs 12-18 % of the time (AMD Zen 4, L = 1024, 2 threads: E 64 32.7 -> 36.5 ms, E 128 61.2 ->
-// 68.1 ms).
+// 68.1 ms). With SdpaOptions::allow_fp16_bf16_reduction (FlashParams::reduction) all three are
+// one term, bf16(x) to nearest, as FlashAttention's: 5 passes, 1.34-1.46x faster (AMD Zen 5, L
+// 1024-4096, E 64-128, 2 threads), within 2x a bf16 math reference's error instead
+// (tests/sdpa/test_reduced_precision.cpp).
 // The registry sends NaN/Inf inputs to the float32 kernel (widened), so no guard is needed here.
 #include <immintrin.h>
 
@@ -139,7 +142,8 @@ void dropout_grad(const FlashParams& p, const QueryBlock& qb, int64_t j0, int64_
 // dS = P (dP - D) scale, P the undropped weights; an odd nk pairs its last key with a zero key.
 // Two terms: hi = x with its low 16 bits cleared (truncation: exact, and a NaN stays NaN as
 // arithmetic NaNs are quiet, bit 22 set) and lo = bf16(x - hi), nearest even: 16 significant bits
-// or more, x - hi - lo within 2^-16 |x|.
+// or more, x - hi - lo within 2^-16 |x|. One term (FlashParams::reduction): bf16(x), nearest
+// even, and pl, sql, sl are not written.
 struct BlockOperands {
   uint32_t *pq, *pl, *sq, *sql, *sk, *sl;
 };
@@ -163,13 +167,20 @@ inline __m512i high_words(__m512 x0, __m512 x1) {
 }
 
 // One key row's 32 query lanes (x0: 0..15, x1: 16..31) as 16 query pairs in two terms: hi's
-// pairs to hi_row, lo's to lo_row.
+// pairs to hi_row, lo's to lo_row; in one term (kOne), bf16(x) to hi_row. The lanes' order is
+// the pairs' order, so one cvtne2ps_pbh forms them.
+template <bool kOne>
 inline void store_query_pairs(__m512 x0, __m512 x1, uint32_t* hi_row, uint32_t* lo_row) {
-  const __m512 r0 = _mm512_sub_ps(x0, high_half(x0)), r1 = _mm512_sub_ps(x1, high_half(x1));
-  _mm512_storeu_si512(hi_row, high_words(x0, x1));
-  _mm512_storeu_si512(lo_row, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+  if constexpr (kOne) {
+    _mm512_storeu_si512(hi_row, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+  } else {
+    const __m512 r0 = _mm512_sub_ps(x0, high_half(x0)), r1 = _mm512_sub_ps(x1, high_half(x1));
+    _mm512_storeu_si512(hi_row, high_words(x0, x1));
+    _mm512_storeu_si512(lo_row, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
+  }
 }
 
+template <bool kOne>
 void block_operands(const float* st, const float* pd, const float* dpt, int64_t nk, __m512 d0, __m512 d1, __m512 scale,
                     const BlockOperands& o) {
   for (int64_t j2 = 0; j2 < (nk + 1) / 2; ++j2) {
@@ -187,11 +198,15 @@ void block_operands(const float* st, const float* pd, const float* dpt, int64_t 
         ds[t][hh] = _mm512_mul_ps(_mm512_mul_ps(p, dp), scale);
         pv[hh] = pd == st ? p : _mm512_loadu_ps(pd + jj * kBQ + hh * 16);
       }
-      store_query_pairs(pv[0], pv[1], o.pq + jj * 16, o.pl + jj * 16);
-      store_query_pairs(ds[t][0], ds[t][1], o.sq + jj * 16, o.sql + jj * 16);
+      store_query_pairs<kOne>(pv[0], pv[1], o.pq + jj * 16, o.pl + jj * 16);
+      store_query_pairs<kOne>(ds[t][0], ds[t][1], o.sq + jj * 16, o.sql + jj * 16);
     }
     for (int hh = 0; hh < 2; ++hh) {
       const __m512 e = ds[0][hh], od = ds[1][hh];
+      if constexpr (kOne) {  // (bf16(e), bf16(od)) per lane, key 2 j2 in the low word
+        _mm512_storeu_si512(o.sk + j2 * kBQ + hh * 16, interleave_words((__m512i)_mm512_cvtne2ps_pbh(od, e)));
+        continue;
+      }
       const __m512 eh = high_half(e), oh = high_half(od);
       // (e >> 16) | high(od): the pair of high halves, key 2 j2 in the low word
       const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(e), 16), _mm512_castps_si512(oh));
@@ -335,13 +350,22 @@ void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
           dropout_grad(p, qb, j0, nk, dpt);
           pd = pdt;
         }
-        block_operands(st, pd, dpt, nk, d0, d1, scale, {ppq, ppl, dsq, dsql, dsk, dskl});
+        const BlockOperands ops{ppq, ppl, dsq, dsql, dsk, dskl};
+        if (p.reduction) {
+          block_operands<true>(st, pd, dpt, nk, d0, d1, scale, ops);
+        } else {
+          block_operands<false>(st, pd, dpt, nk, d0, d1, scale, ops);
+        }
+        // The second terms, or none (pairs_update then does one product per pair).
+        const uint32_t* pl = p.reduction ? nullptr : ppl;
+        const uint32_t* sql = p.reduction ? nullptr : dsql;
+        const uint32_t* skl = p.reduction ? nullptr : dskl;
         // dV_blk (nk x Ev) += P_d^T (nk x 32) @ dO rows (32 x Ev)
-        pairs_update(ppq, 16, 1, dop + i0 / 2 * evp, evp, kBQ / 2, nk, evp, dvb + kk * evp, evp, ppl);
+        pairs_update(ppq, 16, 1, dop + i0 / 2 * evp, evp, kBQ / 2, nk, evp, dvb + kk * evp, evp, pl);
         // dK_blk (nk x E) += dS^T (nk x 32) @ Q rows (32 x E)
-        pairs_update(dsq, 16, 1, qp + i0 / 2 * ep, ep, kBQ / 2, nk, ep, dkb + kk * ep, ep, dsql);
+        pairs_update(dsq, 16, 1, qp + i0 / 2 * ep, ep, kBQ / 2, nk, ep, dkb + kk * ep, ep, sql);
         // dQ rows (32 x E) += dS (32 x nk) @ K rows (nk x E)
-        pairs_update(dsk, 1, kBQ, kp + kk / 2 * ep, ep, (nk + 1) / 2, kBQ, ep, dq + i0 * ep, ep, dskl);
+        pairs_update(dsk, 1, kBQ, kp + kk / 2 * ep, ep, (nk + 1) / 2, kBQ, ep, dq + i0 * ep, ep, skl);
       }
     }
     for (int64_t jj = 0; jj < ng; ++jj) {

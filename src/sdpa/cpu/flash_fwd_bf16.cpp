@@ -47,7 +47,9 @@ SdpaResult flash_forward_bf16(const Bf16ForwardKernel& kern, const TensorView& q
   float* const lse = options.need_lse ? result.lse.data() : nullptr;
   char* residual = nullptr;
   if (options.need_output_residual && is_sixteen_bit_float(p.dtype)) {
-    if (!kern.residual_ok) throw ValueError("flash_forward_bf16: this kernel table cannot form output_residual");
+    if (!kern.residual_ok && !options.allow_fp16_bf16_reduction) {
+      throw ValueError("flash_forward_bf16: this kernel table cannot form output_residual");
+    }
     result.output_residual = Tensor::empty(result.output.shape(), p.dtype);
     residual = static_cast<char*>(result.output_residual.raw_data());
   }

@@ -159,6 +159,7 @@ inline FlashParams make_flash_params(const detail::SdpaProblem& p, const SdpaOpt
     fp.mask_is_bool = p.mask_is_bool;
   }
   fp.dropout_p = p.dropout_p;
+  fp.reduction = options.allow_fp16_bf16_reduction;
   fp.dropout_seed = options.dropout_seed;
   fp.dropout_offset = options.dropout_offset;
   fp.dropout_i0 = p.q_pos;

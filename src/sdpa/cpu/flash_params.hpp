@@ -37,6 +37,10 @@ struct FlashParams {
   uint64_t dropout_seed = 0, dropout_offset = 0;
   int64_t dropout_i0 = 0, dropout_j0 = 0;  // global position of row 0 / key 0 (Philox counters)
   bool guard_v = false;             // v (backward: any input) holds NaN/Inf: never multiply it by a 0
+  // SdpaOptions::allow_fp16_bf16_reduction (16-bit kernels only): P enters P.V as one 16-bit term
+  // also when output_residual is asked (which then carries that output's float32 rounding), and
+  // the backward enters P and dS as one term each, rounded to nearest, not as hi + lo.
+  bool reduction = false;
 };
 
 // The backward's parameters: the forward's, plus what only the gradients need. Filled by

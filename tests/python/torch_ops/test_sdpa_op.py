@@ -15,6 +15,7 @@ torch = require("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+import attn  # noqa: E402
 import attn.torch as at  # noqa: E402
 
 FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -155,7 +156,7 @@ def test_compile_fullgraph_forward_and_backward():
 def test_opcheck_passes():
     q, k, v, _, _ = make(CASES[1], torch.float32)
     args = (q, k, v, None, 0.0, False, False, None, False, -1, -1, None, None, None,
-            torch.zeros(2, dtype=torch.int64), "", False, False)
+            torch.zeros(2, dtype=torch.int64), "", False, False, False)
     torch.library.opcheck(torch.ops.attn.sdpa.default, args)
     # bf16 with the output residual a backward reads (the fourth output).
     qh, kh, vh = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
@@ -314,7 +315,7 @@ def test_eager_path_equals_the_custom_op_forward_and_backward():
     sinks = torch.tensor([0.5, -0.5], requires_grad=True)
     out = at.scaled_dot_product_attention(q, k, v, mask, sinks=sinks, **kw)
     args = (q, k, v, mask, 0.0, False, False, None, False, -1, -1, None, None, sinks,
-            torch.zeros(2, dtype=torch.int64), "", False, False)
+            torch.zeros(2, dtype=torch.int64), "", False, False, False)
     op_out = torch.ops.attn.sdpa(*args)[0]
     assert torch.equal(out, op_out)
     g = torch.randn_like(out)
@@ -342,10 +343,11 @@ def test_compiled_backward_on_the_hugging_face_layout_matches_eager():
     q = torch.randn(1, 2, 5, 8).transpose(2, 3).contiguous().transpose(2, 3)  # strided
     out, lse, _, res = torch.ops.attn.sdpa(q, q, q, None, 0.0, False, False, None, False, -1, -1,
                                            None, None, None, torch.zeros(2, dtype=torch.int64), "",
-                                           False, False)
+                                           False, False, False)
     torch.library.opcheck(torch.ops.attn.sdpa_backward.default,
                           (torch.randn_like(out), q, q, q, out, lse, res, None, 0.0, False, False, None,
-                           False, -1, -1, None, None, None, torch.zeros(2, dtype=torch.int64), ""))
+                           False, -1, -1, None, None, None, torch.zeros(2, dtype=torch.int64), "",
+                           False))
 
 
 def test_sixteen_bit_sinks_get_their_gradient_and_slopes_that_require_grad_are_refused():
@@ -369,7 +371,7 @@ def test_sixteen_bit_training_saves_the_output_residual():
     # instead of re-deriving the float32 output. Both backward paths meet the accuracy rule.
     q, k, v, _, kw = make(CASES[2], torch.bfloat16)
     rng = torch.zeros(2, dtype=torch.int64)
-    head = (q, k, v, None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "")
+    head = (q, k, v, None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "", False)
     out, lse, _, res = torch.ops.attn.sdpa(*head, False, True)
     assert res.dtype == torch.bfloat16 and res.shape == out.shape
     assert torch.ops.attn.sdpa(*head, False, False)[3].numel() == 0
@@ -380,7 +382,7 @@ def test_sixteen_bit_training_saves_the_output_residual():
         ref = F.scaled_dot_product_attention(q, k, v, **kw)
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
     true_grads = torch.autograd.grad(truth, (q, k, v), g.double())
-    tail = (None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "")
+    tail = (None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "", False)
     for saved in (res, res.new_empty(0)):
         grads = torch.ops.attn.sdpa_backward(g, q, k, v, out, lse, saved, *tail)[:3]
         for name, a, r, t in zip("qkv", grads, ref_grads, true_grads):
@@ -391,3 +393,71 @@ def test_sixteen_bit_training_saves_the_output_residual():
     with_res = torch.ops.attn.sdpa_backward(g, q, k, v, out, lse, res, *tail)[:3]
     for a, b in zip(eager, with_res):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES[1:7], ids=lambda c: "x".join(map(str, c[:7])) + f"-{c[7]}-{c[8]}")
+def test_fp16_bf16_reduction_within_twice_torchs_reduced_math_error(case, dtype):
+    # allow_fp16_bf16_reduction: FlashAttention's numerics (one 16-bit term for P and dS in the
+    # backward, D from the 16-bit output, no residual saved), held to FlashAttention's rule against
+    # PyTorch's math path computing in the same 16-bit type, which PyTorch's own switch of that
+    # name selects (by default the math path upcasts to float32).
+    q, k, v, mask, kw = make(case, dtype, seed=3)
+    g = torch.randn(*q.shape[:-1], v.shape[-1]).to(dtype)
+    out = at.scaled_dot_product_attention(q, k, v, mask, allow_fp16_bf16_reduction=True, **kw)
+    previous = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q, k, v, mask, **kw)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(previous)
+    truth = reference(q, k, v, mask, **kw)
+    assert max_err(out, truth) <= 2 * max_err(ref, truth) + FLOOR[dtype]
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    true_grads = torch.autograd.grad(truth, (q, k, v), g.double())
+    for name, a, r, t in zip("qkv", grads, ref_grads, true_grads):
+        scale = max(1.0, t.abs().max().item())
+        assert max_err(a, t) <= 2 * max_err(r, t) + FLOOR[dtype] * scale, f"grad {name}"
+
+
+def test_fp16_bf16_reduction_reaches_the_forward_and_the_backward():
+    # The forward still saves the residual for the backward, now of its one-term output, so the
+    # output is the same with and without it; the eager path's gradients are the op's backward
+    # given that residual and the allowance.
+    q, k, v, _, kw = make(CASES[2], torch.bfloat16, seed=4)
+    rng = torch.zeros(2, dtype=torch.int64)
+    head = (q, k, v, None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "", True)
+    out, lse, _, res = torch.ops.attn.sdpa(*head, False, True)
+    assert res.dtype == torch.bfloat16 and res.shape == out.shape
+    assert torch.equal(out, torch.ops.attn.sdpa(*head, False, False)[0])
+    g = torch.randn(out.shape).bfloat16()
+    eager = torch.autograd.grad(
+        at.scaled_dot_product_attention(q, k, v, allow_fp16_bf16_reduction=True, **kw), (q, k, v), g)
+    tail = (None, 0.0, True, False, None, False, -1, -1, None, None, None, rng, "")
+    reduced = torch.ops.attn.sdpa_backward(g, q, k, v, out, lse, res, *tail, True)[:3]
+    for a, b in zip(eager, reduced):
+        assert torch.equal(a, b)
+    kernels = {info["name"]: info for info in attn.sdpa_kernels()}
+    if kernels["cpu.flash.avx512_bf16"]["runs_on_this_cpu"]:
+        forced = tail[:-1] + ("cpu.flash.avx512_bf16",)
+        one = torch.ops.attn.sdpa_backward(g, q, k, v, out, lse, res, *forced, True)[:3]
+        two = torch.ops.attn.sdpa_backward(g, q, k, v, out, lse, res, *forced, False)[:3]
+        assert not all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_patch_passes_fp16_bf16_reduction_and_restores_it():
+    q, k, v, _, kw = make(CASES[5], torch.bfloat16, seed=5)
+    g = torch.randn(*q.shape[:-1], v.shape[-1]).bfloat16()
+    want = torch.autograd.grad(
+        at.scaled_dot_product_attention(q, k, v, allow_fp16_bf16_reduction=True, **kw), (q, k, v), g)
+    default = torch.autograd.grad(at.scaled_dot_product_attention(q, k, v, **kw), (q, k, v), g)
+    with at.patch(allow_fp16_bf16_reduction=True):
+        got = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kw), (q, k, v), g)
+        with at.patch():  # a nested patch has its own setting, and gives the outer one back
+            inner = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kw), (q, k, v), g)
+        again = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kw), (q, k, v), g)
+    for a, b, c, d, e in zip(got, want, inner, default, again):
+        assert torch.equal(a, b) and torch.equal(e, b) and torch.equal(c, d)
+    assert not at.is_patched()

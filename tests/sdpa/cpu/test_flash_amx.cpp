@@ -7,6 +7,7 @@
 // tiles, and here against the emulation.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -25,12 +26,12 @@ using test::describe;
 using test::MaskKind;
 using test::max_abs_err;
 
-// The table the registry takes for the call (bf16: P as two terms with output_residual or a
-// small Ev).
+// The table the registry takes for the call (bf16: P as two terms with output_residual, unless
+// the call allows fp16/bf16 reduction, or a small Ev).
 SdpaResult run_emulated(const TensorView& q, const TensorView& k, const TensorView& v, const SdpaOptions& o,
                         Float32MatmulPrecision precision = Float32MatmulPrecision::kHigh) {
   const detail::SdpaProblem p = detail::check_sdpa(q, k, v, o);
-  const bool two = cpu::bf16_p_two_terms(v.size(-1), o.need_output_residual);
+  const bool two = cpu::bf16_p_two_terms(v.size(-1), o.need_output_residual && !o.allow_fp16_bf16_reduction);
   return cpu::flash_forward_bf16(cpu::amx_kernel_emulated(q.dtype(), precision, two), q, k, v, o, p);
 }
 
@@ -273,6 +274,31 @@ TEST(AmxPrecision, MeasuredErrorsPerLevel) {
       EXPECT_LE(medium, bf16) << describe(c) << ": medium keeps float32 output, bf16 rounds it";
     }
   }
+}
+
+// allow_fp16_bf16_reduction with output_residual: the one-term table forms the residual (of its
+// own float32 output, P in one bf16 term), and the output is the call's without the residual.
+TEST(AmxReduction, OneTermTableFormsTheResidual) {
+  if (!cpu::amx_emulation_runs_here()) GTEST_SKIP() << "needs AVX512-BF16 (this CPU: " << cpu::cpu_features().describe() << ")";
+  const Case c{1, 2, 2, 70, 90, 64, 64, MaskKind::kCausalBottomRight, 0.0f};
+  const test::Inputs in = test::make_inputs(c, 27);
+  const Tensor q = in.q.to(DType::kBFloat16), k = in.k.to(DType::kBFloat16), v = in.v.to(DType::kBFloat16);
+  SdpaOptions o = in.options;
+  o.allow_fp16_bf16_reduction = true;
+  const SdpaResult plain = run_emulated(q, k, v, o);
+  o.need_output_residual = true;
+  const SdpaResult f = run_emulated(q, k, v, o);
+  ASSERT_TRUE(f.output_residual.defined());
+  EXPECT_EQ(f.output.to_vector(), plain.output.to_vector());
+  // Each residual is what rounding the float32 output to bf16 dropped: within half a bf16 unit
+  // of the output, and not all zero.
+  const std::vector<float> out = f.output.to_vector(), res = f.output_residual.to_vector();
+  double nonzero = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    EXPECT_LE(std::fabs(res[i]), std::ldexp(std::fabs(out[i]), -8) + 1e-30) << i;
+    nonzero += res[i] != 0.0f;
+  }
+  EXPECT_GT(nonzero, out.size() / 2);
 }
 
 }  // namespace
