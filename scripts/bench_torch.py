@@ -27,6 +27,7 @@ Run it alone on the machine (two cores: anything else running skews every ratio)
     .cache/bench-venv/bin/python scripts/bench_torch.py            # -> docs/PERFORMANCE.md (~7 min)
     .cache/bench-venv/bin/python scripts/bench_torch.py --quick    # T=128, 2 layers, stdout only
     .cache/bench-venv/bin/python scripts/bench_torch.py --decode   # the decoding section only
+    .cache/bench-venv/bin/python scripts/bench_torch.py --bf16-step 10   # bf16 training step only
 
 Needs torch >= 2.4 and transformers in that venv (pip install torch transformers) and attn
 installed there (pip install .).
@@ -103,7 +104,7 @@ def attention_ms(model, ids, backward, variant) -> float:
     return total_us / 1e3
 
 
-def measure(model, ids, backward, reps, variants):
+def measure(model, ids, backward, reps, variants, profile=True):
     times = {v: [] for v in variants}
     for v in variants:  # warm up every path
         with patched(v):
@@ -115,7 +116,7 @@ def measure(model, ids, backward, reps, variants):
                 step(model, ids, backward)
                 times[v].append(time.perf_counter() - t0)
     e2e = {v: statistics.median(t) * 1e3 for v, t in times.items()}
-    attn_t = {v: attention_ms(model, ids, backward, v) for v in variants}
+    attn_t = {v: attention_ms(model, ids, backward, v) for v in variants} if profile else {}
     return e2e, attn_t
 
 
@@ -204,12 +205,24 @@ def main() -> int:
     ap.add_argument("--decode", action="store_true", help="the decoding section only")
     ap.add_argument("--prompt", type=int, default=512, help="decoding: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64, help="decoding: generated tokens")
+    ap.add_argument("--bf16-step", type=int, metavar="ROUNDS",
+                    help="only the bfloat16 T=2048 training step, end to end: ROUNDS alternating "
+                         "rounds of torch, attn and attn with allow_fp16_bf16_reduction (stdout)")
     ap.add_argument("--output", type=Path, default=ROOT / "docs" / "PERFORMANCE.md",
                     help="the report whose Inside PyTorch section is written (default: "
                          "docs/PERFORMANCE.md; docs/PERFORMANCE-amd-epyc.md on the AMD machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     seqs, layers = ([128], 2) if args.quick else ([512, 2048], 12)
+    if args.bf16_step:
+        model = make_model(torch.bfloat16, layers)
+        T = seqs[-1]
+        ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
+        e2e, _ = measure(model, ids, True, args.bf16_step, [TORCH, ATTN, ATTN_REDUCED], profile=False)
+        for v in (ATTN, ATTN_REDUCED):
+            print(f"bfloat16 T={T} fwd+bwd, {v}: torch {e2e[TORCH]:.0f} ms, attn {e2e[v]:.0f} ms, "
+                  f"{e2e[TORCH] / e2e[v]:.2f}x (median of {args.bf16_step} rounds)")
+        return 0
     if args.quick:
         args.prompt, args.new_tokens = 32, 8
     decode_section = "\n".join([DECODE_BEGIN, "## Decoding inside PyTorch (issue 16)", "",
