@@ -279,8 +279,9 @@ std::string decode_bf16_auto_declines() { return dot_unit_declines("cpu.decode.a
 
 // The table for the call: the AVX512-BF16 kernel takes bf16 only, the AMX one also fp16 and
 // float32 at precision "high" (three bf16 terms) or "medium" (one). A bf16 call asking for
-// output_residual, or with Ev under 32, gets the AMX table that enters P into P.V as two terms
-// (cpu::bf16_p_two_terms; the AVX512-BF16 kernel decides so by itself).
+// output_residual (unless it allows fp16/bf16 reduction), or with Ev under 32, gets the AMX table
+// that enters P into P.V as two terms (cpu::bf16_p_two_terms; the AVX512-BF16 kernel decides so by
+// itself).
 const cpu::Bf16ForwardKernel& avx512_bf16_table(const SdpaProblem&, const SdpaOptions&) {
   return cpu::bf16_kernel_avx512();
 }
@@ -288,8 +289,7 @@ const cpu::Bf16ForwardKernel& amx_table(const SdpaProblem& p, const SdpaOptions&
   if (p.dtype == DType::kFloat16) return cpu::fp16_kernel_amx();
   if (p.dtype == DType::kBFloat16) {
     const bool residual = options.need_output_residual && !options.allow_fp16_bf16_reduction;
-    return cpu::bf16_p_two_terms(p.Ev, residual) ? cpu::bf16_two_term_kernel_amx()
-                                                                     : cpu::bf16_kernel_amx();
+    return cpu::bf16_p_two_terms(p.Ev, residual) ? cpu::bf16_two_term_kernel_amx() : cpu::bf16_kernel_amx();
   }
   return p.f32_precision == Float32MatmulPrecision::kMedium ? cpu::fp32_medium_kernel_amx()
                                                             : cpu::fp32_high_kernel_amx();
