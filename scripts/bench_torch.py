@@ -91,12 +91,12 @@ def step(model, ids, backward):
 TORCH, ATTN, ATTN_REDUCED = "torch", "attn", "attn, allow_fp16_bf16_reduction"
 
 
-def patched(variant):
+def patch_for(variant):
     return at.patch(variant != TORCH, allow_fp16_bf16_reduction=variant == ATTN_REDUCED)
 
 
 def attention_ms(model, ids, backward, variant) -> float:
-    with patched(variant):
+    with patch_for(variant):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             step(model, ids, backward)
     names = TORCH_OPS if variant == TORCH else ATTN_OPS
@@ -107,11 +107,11 @@ def attention_ms(model, ids, backward, variant) -> float:
 def measure(model, ids, backward, reps, variants, profile=True):
     times = {v: [] for v in variants}
     for v in variants:  # warm up every path
-        with patched(v):
+        with patch_for(v):
             step(model, ids, backward)
     for _ in range(reps):
         for v in variants:
-            with patched(v):
+            with patch_for(v):
                 t0 = time.perf_counter()
                 step(model, ids, backward)
                 times[v].append(time.perf_counter() - t0)

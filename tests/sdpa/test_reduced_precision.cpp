@@ -182,17 +182,10 @@ TEST_P(ReducedPrecision, WithinTwiceTheBf16MathReferenceError) {
 INSTANTIATE_TEST_SUITE_P(Sweep, ReducedPrecision, testing::ValuesIn(reduced_sweep()),
                          [](const testing::TestParamInfo<RCase>& info) { return "case" + std::to_string(info.index); });
 
-bool runs(const char* name) {
-  for (const SdpaKernelInfo& k : sdpa_kernels()) {
-    if (k.name == name) return k.runs_on_this_cpu;
-  }
-  return false;
-}
-
 // The allowance reaches the native bf16 backward: its gradients change (one term, D from the
 // bf16 output), and stay deterministic.
 TEST(ReducedPrecisionBackward, ChangesTheNativeBf16Gradients) {
-  if (!runs("cpu.flash.avx512_bf16")) GTEST_SKIP() << "cpu.flash.avx512_bf16 does not run on this CPU (no AVX512-BF16)";
+  if (test::runnable_kernels_named("cpu.flash.avx512_bf16").empty()) GTEST_SKIP() << "cpu.flash.avx512_bf16 does not run on this CPU (no AVX512-BF16)";
   manual_seed(5);
   const Tensor q = randn({1, 2, 77, 64}).to(DType::kBFloat16), k = randn({1, 2, 90, 64}).to(DType::kBFloat16),
                v = randn({1, 2, 90, 64}).to(DType::kBFloat16), dout = randn({1, 2, 77, 64}).to(DType::kBFloat16);
