@@ -25,8 +25,17 @@
 # at most half the free memory) that K/V come from memory, median of REPEATS calls after WARMUP,
 # plus the warm figure (copy 0 on every call). One line per shape, with GB/s of K/V read.
 #
-# Environment: THREADS (2), REPEATS (20), WARMUP (3), WORK, and SHAPES: lines "B H_q H_kv E S L
-# kv_type" (kv_type f32 or f16); the default is the grid the issue compares with ggml.
+# Part 3, with an attn build (ATTN_BUILD, default build/ of this checkout, holding libattn.a): a
+# C++ program that alternates ggml_flash_attn_ext and attn::scaled_dot_product_attention call by
+# call in one process, on the same K/V memory (ggml's tensors, read by attn as views), rotating
+# among copies. The host's memory bandwidth moves by 2x between seconds here, so two programs run
+# one after the other can each meet a different state; alternate calls meet the same one. It
+# prints both medians and the median over rounds of ggml's time / attn's (above 1: attn faster),
+# with its quartiles: the figure to quote against ggml. L = 1 shapes only (ROUNDS rounds, 60).
+#
+# Environment: THREADS (2), REPEATS (20), WARMUP (3), WORK, ROUNDS (60), ATTN_BUILD, and SHAPES:
+# lines "B H_q H_kv E S L kv_type" (kv_type f32 or f16); the default is the grid the issue
+# compares with ggml.
 set -euo pipefail
 
 build="${1:-/work/peers/ggml/build}"
@@ -34,6 +43,8 @@ threads="${THREADS:-2}"
 repeats="${REPEATS:-20}"
 warmup="${WARMUP:-3}"
 work="${WORK:-/work/peers/ggml-fa-decode}"
+rounds="${ROUNDS:-60}"
+attn_build="${ATTN_BUILD:-$(cd "$(dirname "$0")/.." && pwd)/build}"
 shapes="${SHAPES:-"1 32 8 128 8192 1 f32
 1 32 8 128 8192 1 f16
 1 32 8 64 8192 1 f32
@@ -261,4 +272,143 @@ echo "== ggml_flash_attn_ext, our shapes, K/V rotating among copies ($work/ggml_
 while read -r b hq hkv e s l kv; do
   [[ -z "${b:-}" ]] && continue
   "$work/ggml_fa_decode" "$b" "$hq" "$hkv" "$e" "$s" "$l" "$kv" "$threads" "$repeats" "$warmup"
+done <<< "$shapes"
+
+# ---- part 3: ggml and attn alternating in one process ---------------------------------------------
+echo
+if [[ ! -f "$attn_build/libattn.a" ]]; then
+  echo "== (no part 3: no libattn.a in '$attn_build'; scripts/build.sh, or set ATTN_BUILD)"
+  exit 0
+fi
+attn_src="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$attn_build/CMakeCache.txt")"
+cat > "$work/ggml_attn_ab.cpp" <<'EOF'
+// ggml_flash_attn_ext and attn::scaled_dot_product_attention alternating call by call on the same
+// K/V (ggml's tensors, (B, H_kv, S, E) row-major, viewed by attn), rotating among copies
+// (written by attn's scripts/bench_ggml.sh, part 3).
+// usage: ggml_attn_ab B H_q H_kv E S f32|f16 threads rounds
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "attn/sdpa.hpp"
+#include "attn/tensor.hpp"
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+namespace {
+uint64_t rng = 88172645463325252ull;
+float next_uniform() {  // xorshift64, in [-1, 1)
+  rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+  return static_cast<float>((rng >> 40) * (1.0 / 8388608.0)) - 1.0f;
+}
+void fill(ggml_tensor* t) {
+  const int64_t n = ggml_nelements(t);
+  for (int64_t i = 0; i < n; ++i) {
+    if (t->type == GGML_TYPE_F32) static_cast<float*>(t->data)[i] = next_uniform();
+    else static_cast<ggml_fp16_t*>(t->data)[i] = ggml_fp32_to_fp16(next_uniform());
+  }
+}
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 9) {
+    std::fprintf(stderr, "usage: %s B H_q H_kv E S f32|f16 threads rounds\n", argv[0]);
+    return 2;
+  }
+  const int64_t B = atoll(argv[1]), Hq = atoll(argv[2]), Hkv = atoll(argv[3]), E = atoll(argv[4]), S = atoll(argv[5]);
+  const bool f16 = std::strcmp(argv[6], "f16") == 0;
+  const int threads = atoi(argv[7]), rounds = atoi(argv[8]);
+  if (B <= 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || E <= 0 || S <= 0 || threads <= 0 || rounds <= 0 ||
+      (!f16 && std::strcmp(argv[6], "f32") != 0)) {
+    std::fprintf(stderr, "ggml_attn_ab: bad arguments\n");
+    return 2;
+  }
+  ggml_cpu_init();
+  const ggml_type kv_type = f16 ? GGML_TYPE_F16 : GGML_TYPE_F32;
+  const int64_t kv_bytes = B * Hkv * S * 2 * E * static_cast<int64_t>(ggml_type_size(kv_type));
+  const int64_t copies = std::max<int64_t>(2, (int64_t{256} << 20) / kv_bytes + 1);  // >= 8x a 32 MiB LLC
+  const size_t mem = static_cast<size_t>(copies * kv_bytes + B * Hq * E * 4) +
+                     static_cast<size_t>(copies) * (ggml_graph_overhead() + 8 * ggml_tensor_overhead()) + (16u << 20);
+  ggml_init_params init = {mem, nullptr, false};
+  ggml_context* ctx = ggml_init(init);
+  if (ctx == nullptr) {
+    std::fprintf(stderr, "ggml_attn_ab: ggml_init of %zu bytes failed\n", mem);
+    return 1;
+  }
+  ggml_tensor* q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, E, 1, Hq, B);
+  fill(q);
+  std::vector<ggml_cgraph*> graphs;
+  std::vector<ggml_cplan> plans;
+  std::vector<ggml_tensor*> ks, vs;
+  for (int64_t c = 0; c < copies; ++c) {
+    ks.push_back(ggml_new_tensor_4d(ctx, kv_type, E, S, Hkv, B));
+    vs.push_back(ggml_new_tensor_4d(ctx, kv_type, E, S, Hkv, B));
+    fill(ks.back());
+    fill(vs.back());
+    ggml_tensor* out = ggml_flash_attn_ext(ctx, q, ks.back(), vs.back(), nullptr,
+                                           1.0f / std::sqrt(static_cast<float>(E)), 0.0f, 0.0f);
+    ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
+    graphs.push_back(ggml_new_graph(ctx));
+    ggml_build_forward_expand(graphs.back(), out);
+    plans.push_back(ggml_graph_plan(graphs.back(), threads, nullptr));
+    plans.back().work_data =
+        plans.back().work_size ? static_cast<uint8_t*>(std::malloc(plans.back().work_size)) : nullptr;
+  }
+  const attn::DType dtype = f16 ? attn::DType::kFloat16 : attn::DType::kFloat32;
+  const attn::TensorView qa(static_cast<float*>(q->data), attn::Shape{B, Hq, 1, E});
+  attn::SdpaOptions options;
+  options.num_threads = threads;
+  options.enable_gqa = Hq != Hkv;
+  std::vector<double> ggml_s, attn_s, ratio;
+  constexpr int kWarmup = 3;
+  for (int r = 0; r < rounds + kWarmup; ++r) {
+    const int64_t c = (2 * r) % copies, d = (2 * r + 1) % copies;  // each call a copy of its own
+    auto t0 = std::chrono::steady_clock::now();
+    ggml_graph_compute(graphs[c], &plans[c]);
+    const double g = seconds_since(t0);
+    const attn::TensorView ka(ks[d]->data, dtype, attn::Shape{B, Hkv, S, E});
+    const attn::TensorView va(vs[d]->data, dtype, attn::Shape{B, Hkv, S, E});
+    t0 = std::chrono::steady_clock::now();
+    const attn::SdpaResult out = attn::scaled_dot_product_attention(qa, ka, va, options);
+    const double a = seconds_since(t0);
+    if (r < kWarmup) continue;
+    ggml_s.push_back(g), attn_s.push_back(a), ratio.push_back(g / a);
+  }
+  // Both compute the same thing: ggml's output (E, H_q, 1, B) is attn's (B, H_q, 1, E) in memory.
+  ggml_graph_compute(graphs[0], &plans[0]);
+  const float* go = static_cast<const float*>(ggml_graph_node(graphs[0], -1)->data);
+  const attn::SdpaResult check = attn::scaled_dot_product_attention(
+      qa, attn::TensorView(ks[0]->data, dtype, attn::Shape{B, Hkv, S, E}),
+      attn::TensorView(vs[0]->data, dtype, attn::Shape{B, Hkv, S, E}), options);
+  const float* ao = check.output.data();
+  double diff = 0.0;
+  for (int64_t i = 0; i < B * Hq * E; ++i) diff = std::max(diff, std::fabs(static_cast<double>(go[i]) - ao[i]));
+  if (!(diff <= 1e-3)) {  // outputs are ~1e-2 here; a wrong head or layout differs by as much
+    std::fprintf(stderr, "ggml_attn_ab: outputs differ by %g: not the same computation\n", diff);
+    return 1;
+  }
+  for (auto* v : {&ggml_s, &attn_s, &ratio}) std::sort(v->begin(), v->end());
+  const size_t m = ratio.size() / 2;
+  std::printf("B=%lld H_q=%lld H_kv=%lld E=%lld S=%lld L=1 K/V %s threads=%d, %d rounds (%lld copies): "
+              "ggml %.3f ms (%.1f GB/s), attn %.3f ms (%.1f GB/s); ggml / attn %.2fx (quartiles %.2f-%.2f); outputs within %.1e\n",
+              static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Hkv),
+              static_cast<long long>(E), static_cast<long long>(S), argv[6], threads, rounds,
+              static_cast<long long>(copies), ggml_s[m] * 1e3, kv_bytes / ggml_s[m] * 1e-9, attn_s[m] * 1e3,
+              kv_bytes / attn_s[m] * 1e-9, ratio[m], ratio[ratio.size() / 4], ratio[ratio.size() * 3 / 4], diff);
+  return 0;
+}
+EOF
+c++ -O2 -std=c++20 -I"$src/include" -I"$attn_src/include" "$work/ggml_attn_ab.cpp" -o "$work/ggml_attn_ab" \
+    "$attn_build/libattn.a" "${libs[@]}" -Wl,-rpath,"$build/src:$build/bin" -fopenmp -lfmt -lopenblas -lm
+echo "== ggml and attn alternating call by call in one process, same K/V ($work/ggml_attn_ab; attn: $attn_build)"
+while read -r b hq hkv e s l kv; do
+  [[ -z "${b:-}" || "$l" != 1 ]] && continue
+  "$work/ggml_attn_ab" "$b" "$hq" "$hkv" "$e" "$s" "$kv" "$threads" "$rounds"
 done <<< "$shapes"
