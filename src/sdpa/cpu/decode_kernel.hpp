@@ -359,9 +359,13 @@ inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64
   // buffers: 7.5-9.0 -> 10.8-11.3 ms). Zen 4, H_q = H_kv = 32, E 128, S 8192, 2 threads, against
   // the two sweeps in alternating runs of the same memory state: 5-19 % faster in 12 of 13 pairs
   // (3 % slower in one; 8.4-8.8 -> 7.9 ms at a 36 GB/s probe, 7.5-7.7 -> 6.3-6.8 at 60); ggml reads
-  // rows in order too, and was 4-15 % faster before. With 16-bit values (a sweep of 4 vectors
-  // covers 128 bytes of the row) it measured 0-5 % slower, and paged float32 the same.
-  if constexpr (RT == 1 && W >= 16 && T == KvType::kFloat32) {
+  // rows in order too, and was 4-15 % faster before. 16-bit values likewise (a sweep of 4 vectors
+  // covers 128 bytes of a row, one of 8 the whole 256 of E 128): on Zen 4, in alternating runs of
+  // two binaries, 0-5 % slower; on Zen 5, alternating call by call with ggml in one process
+  // (scripts/bench_ggml.sh part 3, H 32/32, E 128, S 8192, f16 K/V, 2 threads, 2 x 80 rounds),
+  // ggml / attn went from 0.80x to 0.91-0.92x, where a host's state cannot favour either binary.
+  // Paged float32 measured the same as two sweeps.
+  if constexpr (RT == 1 && W >= 16 && T != KvType::kInt8) {
     const PvPrefetch l2_only{pf.rows, pf.n, false};
     for (; c0 + 8 * W <= Evp; c0 += 8 * W) pv_tile<T, 1, 8, kGuard>(st, vrows, nk, r0, c0, Evp, acc, l2_only);
   }
