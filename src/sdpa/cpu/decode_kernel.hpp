@@ -673,6 +673,35 @@ struct Step {
   bool first_step;
 };
 
+// One row's online softmax over a chunk of base-2 scores sr[0, nkp) (padded with -inf): the new
+// running max m (NaN once a score is NaN), the weights exp2(score - m) in place, l and the row's
+// accumulators acc[0, Evp) rescaled to the new max.
+inline void online_softmax_row(float* sr, int64_t nkp, float& m, float& l, float* acc, int64_t Evp) {
+  vf mx = splat(m);
+  for (int64_t u = 0; u < nkp; u += W) mx = vmax(mx, load(sr + u));
+  float m_new = m;
+  if (m_new == m_new && count_true(mx != mx) == 0) {  // mx's lanes include m_new
+    m_new = hmax(mx);
+  } else {  // a NaN: the first one met, lane by lane
+    for (int i = 0; i < W; ++i) m_new = mx[i] > m_new || mx[i] != mx[i] ? mx[i] : m_new;
+  }
+  const float msafe = m_new == kNegInf ? 0.0f : m_new;  // all hidden so far: exp2 gives 0
+  const float alpha = exp2v(splat(m - msafe))[0];
+  vf sum = {};
+  for (int64_t u = 0; u < nkp; u += W) {
+    const vf pu = exp2v(load(sr + u) - msafe);
+    store(sr + u, pu);
+    sum += pu;
+  }
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  if (alpha == 0.0f) {  // the old weights underflowed: excluded, as the merge excludes ranges
+    zero(acc, Evp);
+  } else if (alpha != 1.0f) {
+    for (int64_t c = 0; c < Evp; c += W) store(acc + c, load(acc + c) * alpha);
+  }
+}
+
 // The score loop's prefetches for token u (see kPrefetchAhead): the key row kPrefetchAhead tokens
 // on (into the next step's rows past the chunk's end), and `v_row` when the values were not
 // prefetched by the last step's P.V (null: none). Always inlined: GCC finds a function whose only
@@ -795,31 +824,7 @@ template <KvType T>
     }
     for (int64_t u = nk; u < nkp; ++u) sr[u] = kNegInf;
 
-    // Online softmax over the chunk: new max, rescale, probabilities, sum.
-    vf mx = splat(it.m[r]);
-    for (int64_t u = 0; u < nkp; u += W) mx = vmax(mx, load(sr + u));
-    float m_new = it.m[r];
-    if (m_new == m_new && count_true(mx != mx) == 0) {  // mx's lanes include m_new
-      m_new = hmax(mx);
-    } else {  // a NaN: the first one met, lane by lane
-      for (int l = 0; l < W; ++l) m_new = mx[l] > m_new || mx[l] != mx[l] ? mx[l] : m_new;
-    }
-    const float msafe = m_new == kNegInf ? 0.0f : m_new;  // all hidden so far: exp2 gives 0
-    const float alpha = exp2v(splat(it.m[r] - msafe))[0];
-    vf sum = {};
-    for (int64_t u = 0; u < nkp; u += W) {
-      const vf pu = exp2v(load(sr + u) - msafe);
-      store(sr + u, pu);
-      sum += pu;
-    }
-    it.l[r] = it.l[r] * alpha + hsum(sum);
-    it.m[r] = m_new;
-    float* a = it.acc + r * p.Evp;
-    if (alpha == 0.0f) {  // the old weights underflowed: excluded, as the merge excludes ranges
-      zero(a, p.Evp);
-    } else if (alpha != 1.0f) {
-      for (int64_t c = 0; c < p.Evp; c += W) store(a + c, load(a + c) * alpha);
-    }
+    online_softmax_row(sr, nkp, it.m[r], it.l[r], it.acc + r * p.Evp, p.Evp);
     if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
       for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
     }
@@ -834,6 +839,51 @@ template <KvType T>
   } else {
     for (int64_t u = 0; u < nk; ++u) vrow[u] = widen_row<T>(vr[u], p.Ev, p.Evp, vwide + u * p.Evp);
     pv_chunk<KvType::kFloat32>(st, vrow, nk, it.R, p.Evp, it.acc);
+  }
+}
+
+// A single query row against dense K/V read in place, no GQA (one query row per kv head, R = 1:
+// the decoding of a model without GQA, L = 1): the chunk loop of decode_step with rows addressed
+// as base + j * stride instead of through the step's row-pointer arrays, the prefetches in a
+// straight line, and acc held in CV registers over each chunk's P.V. Scores, softmax and P.V in
+// the same order as decode_step's, so the same bits. The general path cost this case its speed:
+// Zen 5, H 32/32, E 64, S 8192, float32, 2 threads, alternating call by call with ggml on the
+// same K/V (scripts/bench_ggml.sh part 3): ggml / attn 0.83-0.87x through decode_step, 0.98-1.01x
+// here; a copy of the general path with its pieces put back one at a time lost 8-13 % to the
+// row-pointer score loop (prefetch_token and the dot through kr[u]) and ~8 % to pv_chunk.
+template <KvType T, int CV>
+void decode_single_row(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, int64_t j_begin,
+                       int64_t j_end, float* st) {
+  const char* const k0 = static_cast<const char*>(kv.k);
+  const char* const v0 = static_cast<const char*>(kv.v);
+  const int64_t k_stride = kv.k_row * elem_size(T), v_stride = kv.v_row * elem_size(T);
+  const int64_t k_bytes = p.E * elem_size(T);
+  constexpr int64_t kVBytes = CV * W * elem_size(T);
+  for (int64_t c0 = j_begin; c0 < j_end; c0 += kDecodeChunk) {
+    const int64_t nk = imin(kDecodeChunk, j_end - c0), nkp = (nk + W - 1) / W * W;
+    for (int64_t u = 0; u < nk; ++u) {
+      const int64_t j = c0 + u;
+      if (j + kPrefetchAhead < j_end) {
+        const char* ahead = k0 + (j + kPrefetchAhead) * k_stride;
+        for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
+      }
+      st[u] = dot_row<T>(it.q, k0 + j * k_stride, p.Ep) * p.scale_log2;
+    }
+    for (int64_t u = nk; u < nkp; ++u) st[u] = kNegInf;
+    online_softmax_row(st, nkp, it.m[0], it.l[0], it.acc, p.Evp);
+    // P.V, the next chunk's value rows prefetched as this one's are read (PvPrefetch's order).
+    const bool guard = any_zero_weight(st, 0, 1, nk);  // a zero weight never multiplies a value
+    const int64_t next_n = imin(kDecodeChunk, j_end - c0 - kDecodeChunk);
+    vf a[CV];
+    for (int c = 0; c < CV; ++c) a[c] = load(it.acc + c * W);
+    for (int64_t u = 0; u < nk; ++u) {
+      if (u < next_n) prefetch_lines<kVBytes>(v0 + (c0 + kDecodeChunk + u) * v_stride);
+      if (guard && st[u] == 0.0f) continue;
+      const char* row = v0 + (c0 + u) * v_stride;
+      const vf pb = splat(st[u]);
+      for (int c = 0; c < CV; ++c) a[c] += pb * load_as_float<T>(row, c * W);
+    }
+    for (int c = 0; c < CV; ++c) store(it.acc + c * W, a[c]);
   }
 }
 
@@ -907,6 +957,17 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
     }
   }
   if (j_begin >= j_end) return;
+  if constexpr (W == 16 && T != KvType::kInt8) {
+    if (heads == 1 && it0.R == 1 && kv0.pages == nullptr && k_in_place && v_in_place && !modify &&
+        it0.mask[0] == nullptr && !dot_k && !permuted_v && (p.Evp == 4 * W || p.Evp == 8 * W)) {
+      if (p.Evp == 4 * W) {
+        decode_single_row<T, 4>(p, kv0, it0, j_begin, j_end, st);
+      } else {
+        decode_single_row<T, 8>(p, kv0, it0, j_begin, j_end, st);
+      }
+      return;
+    }
+  }
   for (int64_t h = 0; h < heads; ++h) {
     const DecodeItem& it = its[h];
     if (dot_k) pack_query_pairs(it.q, it.R, p.Ep, q2_of(h));
