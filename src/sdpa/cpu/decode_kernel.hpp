@@ -15,9 +15,11 @@
 //   kwide (Ep), vwide (kDecodeChunk, Evp): widened rows, only for a head dim that is not a
 //         multiple of 16 (others are read in place, 16-bit and int8 widened in registers)
 // Scores: each key row is loaded once and dotted with four query rows at a time, the four
-// sums reduced together (hsum4); with AVX-512 and R < 16, four key rows at a time as well, so a
-// query vector is loaded once per four tokens and 16 sums share one reduction (hsum16); with
-// R >= 16, rows in lanes (scores_lanes). P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
+// sums reduced together (hsum4); with AVX-512 and 4 <= R < 16, four key rows at a time as well,
+// so a query vector is loaded once per four tokens and 16 sums share one reduction (hsum16); with
+// R >= 16, rows in lanes (scores_lanes); with R < 4, token by token (key rows in memory order).
+// One query row against dense K/V (no GQA, L = 1) takes a straight-line copy of the chunk loop
+// (decode_single_row): rows addressed directly, not through the step's row-pointer arrays. P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
 // chunk's tokens, so the accumulators stay in registers and each value vector feeds 4 rows.
 // Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
 // per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
