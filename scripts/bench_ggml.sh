@@ -28,7 +28,7 @@
 # Part 3, with an attn build (ATTN_BUILD, default build/ of this checkout, holding libattn.a): a
 # C++ program that alternates ggml_flash_attn_ext and attn::scaled_dot_product_attention call by
 # call in one process, on the same K/V memory (ggml's tensors, read by attn as views), rotating
-# among copies. The host's memory bandwidth moves by 2x between seconds here, so two programs run
+# among copies that fill 8x the LLC (at most half the free memory). The host's memory bandwidth moves by 2x between seconds here, so two programs run
 # one after the other can each meet a different state; alternate calls meet the same one. It
 # prints both medians and the median over rounds of ggml's time / attn's (above 1: attn faster),
 # with its quartiles: the figure to quote against ggml. L = 1 shapes only (ROUNDS rounds, 60).
@@ -283,8 +283,8 @@ fi
 attn_src="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$attn_build/CMakeCache.txt")"
 cat > "$work/ggml_attn_ab.cpp" <<'EOF'
 // ggml_flash_attn_ext and attn::scaled_dot_product_attention alternating call by call on the same
-// K/V (ggml's tensors, (B, H_kv, S, E) row-major, viewed by attn), rotating among copies
-// (written by attn's scripts/bench_ggml.sh, part 3).
+// K/V (ggml's tensors, (B, H_kv, S, E) row-major, viewed by attn), rotating among copies that
+// fill 8x the last-level cache (written by attn's scripts/bench_ggml.sh, part 3).
 // usage: ggml_attn_ab B H_q H_kv E S f32|f16 threads rounds
 #include <algorithm>
 #include <chrono>
@@ -312,6 +312,36 @@ void fill(ggml_tensor* t) {
     else static_cast<ggml_fp16_t*>(t->data)[i] = ggml_fp32_to_fp16(next_uniform());
   }
 }
+// The largest cache sysfs reports for cpu0, in bytes (0: none), as part 2's program reads it.
+int64_t llc_bytes() {
+  int64_t best = 0;
+  for (int i = 0; i < 16; ++i) {
+    char path[96];
+    std::snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+    FILE* f = std::fopen(path, "r");
+    if (f == nullptr) continue;
+    long long n = 0;
+    char unit = 0;
+    if (std::fscanf(f, "%lld%c", &n, &unit) >= 1) {
+      const int64_t b = unit == 'K' ? n << 10 : unit == 'M' ? n << 20 : unit == 'G' ? n << 30 : n;
+      best = std::max(best, b);
+    }
+    std::fclose(f);
+  }
+  return best;
+}
+int64_t available_bytes() {  // MemAvailable (0: unknown)
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char key[64];
+  long long kib = 0;
+  int64_t r = 0;
+  while (std::fscanf(f, "%63s %lld kB", key, &kib) == 2) {
+    if (std::strcmp(key, "MemAvailable:") == 0) r = static_cast<int64_t>(kib) * 1024;
+  }
+  std::fclose(f);
+  return r;
+}
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -333,7 +363,12 @@ int main(int argc, char** argv) {
   ggml_cpu_init();
   const ggml_type kv_type = f16 ? GGML_TYPE_F16 : GGML_TYPE_F32;
   const int64_t kv_bytes = B * Hkv * S * 2 * E * static_cast<int64_t>(ggml_type_size(kv_type));
-  const int64_t copies = std::max<int64_t>(2, (int64_t{256} << 20) / kv_bytes + 1);  // >= 8x a 32 MiB LLC
+  // Copies filling 8x the LLC (as attn bench and part 2 rotate them), at least 2: K/V from memory.
+  const int64_t llc = llc_bytes() > 0 ? llc_bytes() : int64_t{512} << 20;
+  int64_t copies = std::max<int64_t>(2, 8 * llc / kv_bytes + 1);
+  if (const int64_t avail = available_bytes(); avail > 0) {  // at most half the free memory
+    copies = std::max<int64_t>(1, std::min(copies, avail / 2 / kv_bytes));
+  }
   const size_t mem = static_cast<size_t>(copies * kv_bytes + B * Hq * E * 4) +
                      static_cast<size_t>(copies) * (ggml_graph_overhead() + 8 * ggml_tensor_overhead()) + (16u << 20);
   ggml_init_params init = {mem, nullptr, false};
