@@ -28,8 +28,9 @@
 # Part 3, with an attn build (ATTN_BUILD, default build/ of this checkout, holding libattn.a): a
 # C++ program that alternates ggml_flash_attn_ext and attn::scaled_dot_product_attention call by
 # call in one process, on the same K/V memory (ggml's tensors, read by attn as views), rotating
-# among copies that fill 8x the LLC (at most half the free memory). The host's memory bandwidth moves by 2x between seconds here, so two programs run
-# one after the other can each meet a different state; alternate calls meet the same one. It
+# among copies that fill 8x the LLC (at most half the free memory). The host's memory bandwidth
+# moves by 2x between seconds here, so two programs run one after the other can each meet a
+# different state; alternate calls meet the same one. It checks that both outputs agree and
 # prints both medians and the median over rounds of ggml's time / attn's (above 1: attn faster),
 # with its quartiles: the figure to quote against ggml. L = 1 shapes only (ROUNDS rounds, 60).
 #
