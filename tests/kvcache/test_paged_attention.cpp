@@ -151,6 +151,7 @@ TEST(PagedAttention, EqualsDenseAttentionOnGatheredKv) {
   const DecodeCase setups[] = {
       {4, 4, 16, 16, 1, false},  {4, 4, 16, 16, 1, true},  {8, 2, 32, 24, 3, true},
       {4, 1, 8, 8, 16, true},    {6, 3, 16, 16, 5, false}, {2, 2, 64, 64, 16, false},
+      {4, 4, 64, 64, 1, false},  {3, 3, 128, 128, 1, true},  // one row per kv head: the single-row path
   };
   for (const DecodeCase& s : setups) expect_matches_dense(s);
 }
@@ -159,6 +160,7 @@ TEST(PagedAttention, EveryCacheAndQueryDtype) {
   for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt8}) {
     for (DType query : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
       expect_matches_dense({8, 2, 16, 16, 4, true, cache, query});
+      expect_matches_dense({4, 4, 64, 64, 1, false, cache, query});
     }
   }
 }
@@ -167,11 +169,16 @@ TEST(PagedAttention, EveryCacheAndQueryDtype) {
 // shuffled order: the result equals the dense kernel on the gathered keys and values within
 // float32 rounding, and is bit-identical for 1, 2 and 3 threads. The kernel reads a pool's kv
 // heads together, a group of whole pages at a time: pages shorter than its chunk (16), longer
-// (96: groups of 128 tokens, which pages do not align with), and with one kv head or three.
-class PagedLayouts : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
+// (96: groups of 128 tokens, which pages do not align with), and with one kv head or three; and
+// one query row per kv head (no GQA, L_q 1: the kernel's single-row path through the pages).
+struct PagedLayout {
+  int64_t page_size, Hkv, group, L_q;  // query heads: group * Hkv
+};
+
+class PagedLayouts : public ::testing::TestWithParam<PagedLayout> {};
 
 TEST_P(PagedLayouts, LongShuffledSequencesSplitAcrossThreads) {
-  const auto [page_size, Hkv] = GetParam();
+  const auto [page_size, Hkv, group, L_q] = GetParam();
   PagedKvCacheOptions o{.num_pages = 6400 / page_size, .page_size = page_size, .heads_kv = Hkv, .head_dim = 64};
   PagedKvCache c(o);
   Generator gen(31);
@@ -184,7 +191,7 @@ TEST_P(PagedLayouts, LongShuffledSequencesSplitAcrossThreads) {
   const int64_t grown = c.add_sequence();
   c.append(grown, randn({2100, Hkv, 64}, gen), randn({2100, Hkv, 64}, gen));
   const std::vector<int64_t> ids{0, grown, 2};
-  const Tensor q = randn({3, 2, 4 * Hkv, 64}, gen);
+  const Tensor q = randn({3, L_q, group * Hkv, 64}, gen);
   PagedAttentionOptions po{.is_causal = true, .need_lse = true};
   for (const std::string& kernel : decode_kernels()) {
     po.kernel = kernel;
@@ -210,10 +217,12 @@ TEST_P(PagedLayouts, LongShuffledSequencesSplitAcrossThreads) {
 }
 
 INSTANTIATE_TEST_SUITE_P(PagedAttention, PagedLayouts,
-                         ::testing::Values(std::pair<int64_t, int64_t>{16, 2}, std::pair<int64_t, int64_t>{96, 3},
-                                           std::pair<int64_t, int64_t>{16, 1}),
+                         ::testing::Values(PagedLayout{16, 2, 4, 2}, PagedLayout{96, 3, 4, 2}, PagedLayout{16, 1, 4, 2},
+                                           PagedLayout{16, 4, 1, 1}, PagedLayout{96, 2, 1, 1}),
                          [](const auto& info) {
-                           return "page" + std::to_string(info.param.first) + "_kvheads" + std::to_string(info.param.second);
+                           const PagedLayout& l = info.param;
+                           return "page" + std::to_string(l.page_size) + "_kvheads" + std::to_string(l.Hkv) + "_group" +
+                                  std::to_string(l.group) + "_L" + std::to_string(l.L_q);
                          });
 
 // ---- variants -----------------------------------------------------------------------------------

@@ -9,22 +9,21 @@
 // Shapes (per work item of R rows; u32 words hold two bf16, the lower one first):
 //   q2  (R, q_words(Ep)) u32   the query rows as bf16 pairs (exact: taken only when the queries
 //                              are bf16), zero-padded to a whole number of 32-element blocks
-//   pp  (R, kDecodeChunk/2) u32  the chunk's probabilities rounded to bf16, as token pairs
 // Scores (q_bf16, keys read in place): per 32 elements of E one vdpbf16ps per (row, token) on
 // the key row as it is in the cache; 4 rows x 4 tokens per register tile, reduced by hsum16 as
 // the float32 path's tiles. P.V with values read in place and Ev a multiple of 32: the
 // accumulators hold each 32-element block of Ev permuted, lanes 0-15 the elements {0-3, 8-11,
 // 16-19, 24-27} and lanes 16-31 {4-7, 12-15, 20-23, 28-31}: the order in which vpunpck{l,h}wd
-// pairs the rows of tokens u and u + 1 for vdpbf16ps (q_bf16), and widens one row to float32
-// (zero low halves, one instruction per 16 elements) for the FMA path otherwise. The order is
-// restored once at the end of the item (unpermute_rows).
+// widens a row to float32 (zero low halves, one instruction per 16 elements), for float32
+// weights and FMAs. The order is restored once at the end of the item (unpermute_rows).
 //
-// Numerics: products of two bf16 are exact in float32. P is rounded to bf16 once before P.V,
-// as cpu.flash.avx512_bf16 does (the output is bf16); the row sums use the float32 P.
-// vdpbf16ps reads bf16 subnormals (below 2^-126) as zero. A zero weight must never multiply a
-// value (0 * Inf would be NaN) and a token pair multiplies both: a row tile whose chunk holds a
-// zero weight takes the guarded FMA path instead (with the driver's flush-to-zero, exp2 gives 0
-// or at least 2^-126, so a nonzero weight stays nonzero in bf16).
+// Numerics: products of two bf16 are exact in float32. P stays float32 in P.V. It was rounded
+// to bf16 for vdpbf16ps on token pairs (bf16 queries) until a paged test of one query row per kv
+// head (H 4/4, E 64, bf16 queries and cache) measured the output at 2.2x the rule's reference
+// error (float32 attention rounded once to bf16; the rule allows 2x); float32 P measures within
+// it, and alternating call by call on Zen 5 (2 threads, S 8192, bf16 queries and K/V) was no
+// slower: 0.96-0.99x the time of the bf16 P (H 32/8 E 128, H 32/32 E 64): decoding waits on
+// memory, not on P.V. vdpbf16ps reads bf16 subnormals (below 2^-126) as zero.
 
 namespace attn::cpu::ATTN_SIMD_NS {
 
@@ -145,54 +144,9 @@ inline void dot_scores_token(const uint32_t* q2, int64_t words, int64_t R, int64
   for (; r < R; ++r) st[r * kDecodeChunk] = dot_row_bf16(q2 + r * words, k, E) * s;
 }
 
-// A row's probabilities sr[0, nk) as bf16 token pairs; the pair past an odd nk holds p[nk] = 0
-// (sr is -inf there before the exp). Pairs beyond are not read.
-inline void pack_prob_pairs(const float* sr, int64_t nk, uint32_t* ppr) {
-  for (int64_t u = 0; u < nk; u += 32) {
-    const __m512 a = _mm512_loadu_ps(sr + u);
-    const __m512 b = _mm512_loadu_ps(sr + u + 16);  // inside the row's kDecodeChunk floats
-    _mm512_storeu_si512(ppr + u / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-  }
-}
-
-// acc's permuted blocks [c0, c0 + 32 NB) += P[rows] . V over the chunk's token pairs.
-template <int RT, int NB>
-inline void pv_tile_dot(const uint32_t* pp, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
-                        int64_t Evp, float* acc, PvPrefetch pf) {
-  __m512 a[RT][2 * NB];
-  for (int r = 0; r < RT; ++r) {
-    for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
-  }
-  for (int64_t u = 0; u < nk; u += 2) {
-    if (u < pf.n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
-    if (u + 1 < pf.n) prefetch_lines<64 * NB>(pf.rows[u + 1] + 2 * c0);
-    if (pf.l1 && u + kL1Ahead + 1 < nk) {
-      prefetch_lines<64 * NB, 3>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
-      prefetch_lines<64 * NB, 3>(static_cast<const uint16_t*>(vrows[u + kL1Ahead + 1]) + c0);
-    }
-    __m512bh v[2 * NB];
-    const auto* x0 = static_cast<const uint16_t*>(vrows[u]) + c0;
-    const auto* x1 = u + 1 < nk ? static_cast<const uint16_t*>(vrows[u + 1]) + c0 : nullptr;
-    for (int b = 0; b < NB; ++b) {
-      const __m512i lo = _mm512_loadu_si512(x0 + 32 * b);
-      const __m512i hi = x1 != nullptr ? _mm512_loadu_si512(x1 + 32 * b) : _mm512_setzero_si512();
-      v[2 * b] = (__m512bh)_mm512_unpacklo_epi16(lo, hi);
-      v[2 * b + 1] = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
-    }
-    for (int r = 0; r < RT; ++r) {
-      int32_t pair;  // memcpy: the workspace holds floats; the pair was stored as a vector
-      std::memcpy(&pair, pp + (r0 + r) * (kDecodeChunk / 2) + u / 2, sizeof pair);
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pb, v[c]);
-    }
-  }
-  for (int r = 0; r < RT; ++r) {
-    for (int c = 0; c < 2 * NB; ++c) _mm512_storeu_ps(acc + (r0 + r) * Evp + c0 + 16 * c, a[r][c]);
-  }
-}
-
-// The same with float32 weights and FMAs, each bf16 value row widened into the permuted order.
-// With kGuard a zero weight is skipped, never multiplied.
+// acc's permuted blocks [c0, c0 + 32 NB) += P[rows] . V over the chunk's tokens: float32 weights
+// and FMAs, each bf16 value row widened into the permuted order. With kGuard a zero weight is
+// skipped, never multiplied.
 template <int RT, int NB, bool kGuard>
 inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
                             int64_t Evp, float* acc, PvPrefetch pf) {
@@ -225,32 +179,31 @@ inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t n
   }
 }
 
-template <int RT, int NB>
-inline void pv_tile_permuted(const float* st, const uint32_t* pp, bool dot, bool guard,
-                             const void* const* vrows, int64_t nk, int64_t r0, int64_t c0, int64_t Evp,
-                             float* acc, PvPrefetch pf) {
-  if (guard) {
-    pv_tile_widened<RT, NB, true>(st, vrows, nk, r0, c0, Evp, acc, pf);
-  } else if (dot) {
-    pv_tile_dot<RT, NB>(pp, vrows, nk, r0, c0, Evp, acc, pf);
-  } else {
-    pv_tile_widened<RT, NB, false>(st, vrows, nk, r0, c0, Evp, acc, pf);
+template <int RT>
+inline void pv_rows_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp, float* acc,
+                             PvPrefetch pf) {
+  const bool guard = any_zero_weight(st, r0, RT, nk);
+  int64_t c0 = 0;
+  for (; c0 + 64 <= Evp; c0 += 64) {
+    if (guard) {
+      pv_tile_widened<RT, 2, true>(st, vrows, nk, r0, c0, Evp, acc, pf);
+    } else {
+      pv_tile_widened<RT, 2, false>(st, vrows, nk, r0, c0, Evp, acc, pf);
+    }
+  }
+  if (c0 < Evp) {
+    if (guard) {
+      pv_tile_widened<RT, 1, true>(st, vrows, nk, r0, c0, Evp, acc, pf);
+    } else {
+      pv_tile_widened<RT, 1, false>(st, vrows, nk, r0, c0, Evp, acc, pf);
+    }
   }
 }
 
-template <int RT>
-inline void pv_rows_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
-                             int64_t nk, int64_t r0, int64_t Evp, float* acc, PvPrefetch pf) {
-  const bool guard = any_zero_weight(st, r0, RT, nk);
-  int64_t c0 = 0;
-  for (; c0 + 64 <= Evp; c0 += 64) pv_tile_permuted<RT, 2>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc, pf);
-  if (c0 < Evp) pv_tile_permuted<RT, 1>(st, pp, dot, guard, vrows, nk, r0, c0, Evp, acc, pf);
-}
-
 // P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32).
-inline void pv_chunk_permuted(const float* st, const uint32_t* pp, bool dot, const void* const* vrows,
-                              int64_t nk, int64_t R, int64_t Evp, float* acc, PvPrefetch pf) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, pp, dot, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0)); });
+inline void pv_chunk_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp, float* acc,
+                              PvPrefetch pf) {
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0)); });
 }
 
 // The accumulators back in element order: block lane 4k + i of lanes 0-15 is element 8k + i,
@@ -274,9 +227,7 @@ inline int64_t q_words(int64_t) { return 0; }
 inline void pack_query_pairs(const float*, int64_t, int64_t, uint32_t*) {}
 inline void dot_scores_tokens4(const uint32_t*, int64_t, int64_t, int64_t, const void* const*, const float*, float*) {}
 inline void dot_scores_token(const uint32_t*, int64_t, int64_t, int64_t, const void*, float, float*) {}
-inline void pack_prob_pairs(const float*, int64_t, uint32_t*) {}
-inline void pv_chunk_permuted(const float*, const uint32_t*, bool, const void* const*, int64_t, int64_t, int64_t,
-                              float*, PvPrefetch) {}
+inline void pv_chunk_permuted(const float*, const void* const*, int64_t, int64_t, int64_t, float*, PvPrefetch) {}
 inline void unpermute_rows(float*, int64_t, int64_t) {}
 #endif
 

@@ -18,8 +18,9 @@
 // sums reduced together (hsum4); with AVX-512 and 4 <= R < 16, four key rows at a time as well,
 // so a query vector is loaded once per four tokens and 16 sums share one reduction (hsum16); with
 // R >= 16, rows in lanes (scores_lanes); with R < 4, token by token (key rows in memory order).
-// One query row against dense K/V (no GQA, L = 1) takes a straight-line copy of the chunk loop
-// (decode_single_row): rows addressed directly, not through the step's row-pointer arrays. P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
+// One query row per kv head (no GQA, L = 1) takes a straight-line copy of a step
+// (single_row_step), dense K/V addressed as base + u * stride, a paged cache's through the
+// step's row-address window. P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
 // chunk's tokens, so the accumulators stay in registers and each value vector feeds 4 rows.
 // Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
 // per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
@@ -43,6 +44,8 @@
 // value (so NaN/Inf in a value whose weight is 0 cannot leak), and a row with no visible key
 // keeps l = 0. The driver merges ranges with the same rule.
 #include "sdpa/cpu/decode_params.hpp"
+
+#include <algorithm>
 
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -87,7 +90,7 @@ constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's locality 2 is pref
 inline int64_t decode_workspace_floats(int64_t R, int64_t Ep, int64_t Evp, int64_t heads) {
   const int64_t Rp = (R + 15) / 16 * 16;  // rows padded for the lane layout (W divides 16)
   const int64_t per_head = Ep * Rp + Rp * ((Ep + 31) / 32 * 16);  // Q^T; decode_bf16_dot.hpp's q2
-  return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + kDecodeChunk * Ep + Rp * (kDecodeChunk / 2) + heads * per_head;
+  return Rp * kDecodeChunk + Ep + kDecodeChunk * Evp + kDecodeChunk * Ep + heads * per_head;
 }
 
 // x's lanes combined by `op` (on vectors and on floats) in a halving tree: lanes l and l + W/2,
@@ -251,8 +254,9 @@ constexpr int64_t elem_size(KvType t) {
   return t == KvType::kFloat32 ? 4 : t == KvType::kInt8 ? 1 : 2;
 }
 
-// The chunk's row addresses: rows[u] (and scales[u], the int8 scale, 1 for float caches) of
-// tokens j0 + u, u in [0, n), walking the pages with one division per page run.
+// The chunk's row addresses: rows[u] (and for int8 scales[u], the row's scale; float caches
+// leave scales alone) of tokens j0 + u, u in [0, n), walking the pages with one division per
+// page run.
 template <KvType T>
 inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, const char** rows,
                        float* scales) {
@@ -266,9 +270,9 @@ inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, c
     const int64_t page = kv.pages != nullptr ? kv.pages[slot] : slot;
     const int64_t run = imin(n - u, kv.page_size - r0);
     const char* row = base + page * page_stride * elem_size(T) + r0 * row_bytes;
-    for (int64_t t = 0; t < run; ++t) {
-      rows[u + t] = row + t * row_bytes;
-      scales[u + t] = T == KvType::kInt8 ? sc[page * kv.scale_page + r0 + t] : 1.0f;
+    for (int64_t t = 0; t < run; ++t) rows[u + t] = row + t * row_bytes;
+    if (T == KvType::kInt8) {
+      for (int64_t t = 0; t < run; ++t) scales[u + t] = sc[page * kv.scale_page + r0 + t];
     }
     u += run;
   }
@@ -654,9 +658,8 @@ namespace attn::cpu::ATTN_SIMD_NS {
 // What the steps of an item share: its paths (see decode_split_t) and scratch.
 struct StepShared {
   float *st, *kwide, *vwide, *kchunk;
-  uint32_t* pp;
   int64_t Rp, words, k_bytes, v_bytes;
-  bool lanes, k_in_place, v_in_place, modify, dot_k, permuted_v, dot_v;
+  bool lanes, k_in_place, v_in_place, modify, dot_k, permuted_v;
 };
 
 // One step: head `it`'s chunk of nk keys at c0, their rows (kr, vr) and scales (ks, vs), the
@@ -727,8 +730,8 @@ inline void online_softmax_row(float* sr, int64_t nkp, float& m, float& l, float
 template <KvType T>
 [[gnu::noinline]] void decode_step(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, const StepShared& x,
                                    const Step& sp) {
-  const auto& [st, kwide, vwide, kchunk, pp, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place, modify, dot_k,
-               permuted_v, dot_v] = x;
+  const auto& [st, kwide, vwide, kchunk, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place, modify, dot_k,
+               permuted_v] = x;
   const auto& [qt, q2, kr, vr, ks, vs, next_k, next_v, c0, nk, next_n, first_step] = sp;
   const int64_t nkp = (nk + W - 1) / W * W;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -743,7 +746,7 @@ template <KvType T>
   // was read back as one vector (store_scores4x4) right after its scalar stores, which no x86
   // forwards to a wider load: the load waited for them to reach the cache, a stall per four
   // tokens (~9 % of the score loop's samples, bf16 K/V).
-  for (int64_t u = 0; u < nk; ++u) kscale[u] = ks[u] * p.scale_log2;
+  for (int64_t u = 0; u < nk; ++u) kscale[u] = T == KvType::kInt8 ? ks[u] * p.scale_log2 : p.scale_log2;
   // One to three rows (no GQA: R = L query rows of one head) are scored token by token, each key
   // row read whole and in memory order as it arrives: four key rows side by side (below) cost
   // these rows more than they share. Zen 5, L 1, S 8192, 2 threads, each call alternating with
@@ -830,12 +833,11 @@ template <KvType T>
     if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
       for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
     }
-    if (dot_v) pack_prob_pairs(sr, nk, pp + r * (kDecodeChunk / 2));
   }
 
   const PvPrefetch pf{next_v, next_n, true};  // values read in place: the L2 and the L1 prefetch
   if (permuted_v) {
-    pv_chunk_permuted(st, pp, dot_v, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
+    pv_chunk_permuted(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
   } else if (v_in_place) {
     pv_chunk<T>(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
   } else {
@@ -844,48 +846,75 @@ template <KvType T>
   }
 }
 
-// A single query row against dense K/V read in place, no GQA (one query row per kv head, R = 1:
-// the decoding of a model without GQA, L = 1): the chunk loop of decode_step with rows addressed
-// as base + j * stride instead of through the step's row-pointer arrays, the prefetches in a
-// straight line, and acc held in CV registers over each chunk's P.V. Scores, softmax and P.V in
-// the same order as decode_step's, so the same bits. The general path cost this case its speed:
-// Zen 5, H 32/32, E 64, S 8192, float32, 2 threads, alternating call by call with ggml on the
-// same K/V (scripts/bench_ggml.sh part 3): ggml / attn 0.83-0.87x through decode_step, 0.98-1.01x
-// here; a copy of the general path with its pieces put back one at a time lost 8-13 % to the
-// row-pointer score loop (prefetch_token and the dot through kr[u]) and ~8 % to pv_chunk.
+// A single query row read in place, no GQA (one query row per kv head, R = 1: the decoding of a
+// model without GQA, L = 1): one step (a chunk of nk keys) of decode_step's loop in a straight
+// line, acc held in CV registers over the chunk's P.V. Scores, softmax and P.V in the same order
+// as decode_step's, so the same bits. `rows` gives the step's key and value rows u in [0, nk) and
+// the next step's in [nk, nk + next_n), which this step prefetches: DenseRows (base + u * stride)
+// or WindowRows (a paged cache's row addresses, gathered by chunk_rows). The general path cost
+// this case its speed: Zen 5, H 32/32, E 64, S 8192, float32, 2 threads, alternating call by call
+// with ggml on the same K/V (scripts/bench_ggml.sh part 3): ggml / attn 0.83-0.87x through
+// decode_step, 0.98-1.01x here; a copy of the general path with its pieces put back one at a time
+// lost 8-13 % to the score loop's prefetch_token (which looks up the row ahead in one of two
+// arrays, a branch per token) and ~8 % to pv_chunk. From a paged cache (WindowRows) it measured
+// no faster than decode_step: paged / contiguous stays 1.2-1.4 for H 32/32 float32 (Zen 5, E 64
+// and 128, S 8192, pages of 16 to 8192 tokens; 1.04 for H 32/8), a gap outside the loop: with
+// pages as long as the sequence (the dense layout) it was still 1.14. The driver's tasks take every
+// kv head of one 512-token range there, against the dense path's 4096-token range of one head;
+// ranges of 4096 tokens measured 1.26 instead of 1.36 (16-token pages) but leave 2 tasks for any
+// number of threads, and blocks of 8 heads per task 1.41: not kept.
+struct DenseRows {
+  const char *k, *v;  // the step's first key and value rows
+  int64_t k_stride, v_stride;
+  const char* key(int64_t u) const { return k + u * k_stride; }
+  const char* value(int64_t u) const { return v + u * v_stride; }
+};
+struct WindowRows {
+  const char* const* k;  // (nk + next_n): the step's row addresses, then the next step's
+  const char* const* v;
+  const char* key(int64_t u) const { return k[u]; }
+  const char* value(int64_t u) const { return v[u]; }
+};
+
+template <KvType T, int CV, typename Rows>
+[[gnu::always_inline]] inline void single_row_step(const DecodeParams& p, const DecodeItem& it, const Rows& rows,
+                                                   int64_t nk, int64_t next_n, float* st) {
+  const int64_t k_bytes = p.E * elem_size(T);
+  constexpr int64_t kVBytes = CV * W * elem_size(T);
+  const int64_t nkp = (nk + W - 1) / W * W;
+  for (int64_t u = 0; u < nk; ++u) {
+    if (u + kPrefetchAhead < nk + next_n) {
+      const char* ahead = rows.key(u + kPrefetchAhead);
+      for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
+    }
+    st[u] = dot_row<T>(it.q, rows.key(u), p.Ep) * p.scale_log2;
+  }
+  for (int64_t u = nk; u < nkp; ++u) st[u] = kNegInf;
+  online_softmax_row(st, nkp, it.m[0], it.l[0], it.acc, p.Evp);
+  // P.V, the next step's value rows prefetched as this one's are read (PvPrefetch's order).
+  const bool guard = any_zero_weight(st, 0, 1, nk);  // a zero weight never multiplies a value
+  vf a[CV];
+  for (int c = 0; c < CV; ++c) a[c] = load(it.acc + c * W);
+  for (int64_t u = 0; u < nk; ++u) {
+    if (u < next_n) prefetch_lines<kVBytes>(rows.value(nk + u));
+    if (guard && st[u] == 0.0f) continue;
+    const char* row = rows.value(u);
+    const vf pb = splat(st[u]);
+    for (int c = 0; c < CV; ++c) a[c] += pb * load_as_float<T>(row, c * W);
+  }
+  for (int c = 0; c < CV; ++c) store(it.acc + c * W, a[c]);
+}
+
+// Dense K/V: the item's chunks in order.
 template <KvType T, int CV>
 void decode_single_row(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, int64_t j_begin,
                        int64_t j_end, float* st) {
-  const char* const k0 = static_cast<const char*>(kv.k);
-  const char* const v0 = static_cast<const char*>(kv.v);
   const int64_t k_stride = kv.k_row * elem_size(T), v_stride = kv.v_row * elem_size(T);
-  const int64_t k_bytes = p.E * elem_size(T);
-  constexpr int64_t kVBytes = CV * W * elem_size(T);
   for (int64_t c0 = j_begin; c0 < j_end; c0 += kDecodeChunk) {
-    const int64_t nk = imin(kDecodeChunk, j_end - c0), nkp = (nk + W - 1) / W * W;
-    for (int64_t u = 0; u < nk; ++u) {
-      const int64_t j = c0 + u;
-      if (j + kPrefetchAhead < j_end) {
-        const char* ahead = k0 + (j + kPrefetchAhead) * k_stride;
-        for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
-      }
-      st[u] = dot_row<T>(it.q, k0 + j * k_stride, p.Ep) * p.scale_log2;
-    }
-    for (int64_t u = nk; u < nkp; ++u) st[u] = kNegInf;
-    online_softmax_row(st, nkp, it.m[0], it.l[0], it.acc, p.Evp);
-    // P.V, the next chunk's value rows prefetched as this one's are read (PvPrefetch's order).
-    const bool guard = any_zero_weight(st, 0, 1, nk);  // a zero weight never multiplies a value
-    const int64_t next_n = imin(kDecodeChunk, j_end - c0 - kDecodeChunk);
-    vf a[CV];
-    for (int c = 0; c < CV; ++c) a[c] = load(it.acc + c * W);
-    for (int64_t u = 0; u < nk; ++u) {
-      if (u < next_n) prefetch_lines<kVBytes>(v0 + (c0 + kDecodeChunk + u) * v_stride);
-      if (guard && st[u] == 0.0f) continue;
-      const char* row = v0 + (c0 + u) * v_stride;
-      const vf pb = splat(st[u]);
-      for (int c = 0; c < CV; ++c) a[c] += pb * load_as_float<T>(row, c * W);
-    }
-    for (int c = 0; c < CV; ++c) store(it.acc + c * W, a[c]);
+    const int64_t nk = imin(kDecodeChunk, j_end - c0), next_n = imin(kDecodeChunk, j_end - c0 - nk);
+    const DenseRows rows{static_cast<const char*>(kv.k) + c0 * k_stride, static_cast<const char*>(kv.v) + c0 * v_stride,
+                         k_stride, v_stride};
+    single_row_step<T, CV>(p, it, rows, nk, next_n, st);
   }
 }
 
@@ -914,15 +943,16 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   float* kwide = st + Rp * kDecodeChunk;          // (Ep): a widened key row
   float* vwide = kwide + p.Ep;                    // (kDecodeChunk, Evp): widened value rows
   float* kchunk = vwide + kDecodeChunk * p.Evp;   // lanes: (kDecodeChunk, Ep) widened key rows
-  auto* pp = reinterpret_cast<uint32_t*>(kchunk + kDecodeChunk * p.Ep);  // bf16 dot: (Rp, kDecodeChunk / 2)
-  float* per_head = reinterpret_cast<float*>(pp + Rp * (kDecodeChunk / 2));
+  float* per_head = kchunk + kDecodeChunk * p.Ep;
   const int64_t words = q_words(p.Ep);
   const int64_t head_floats = p.Ep * Rp + Rp * words;
   // Head h's lanes: (Ep, Rp) Q^T at per_head + h * head_floats; bf16 dot: (Rp, words) pairs after it.
   auto qt_of = [&](int64_t h) { return per_head + h * head_floats; };
   auto q2_of = [&](int64_t h) { return reinterpret_cast<uint32_t*>(per_head + h * head_floats + p.Ep * Rp); };
-  const char* rows[4][kDecodeChunk];              // this step's and the next one's K and V rows
-  float scales[4][kDecodeChunk];
+  // The step's K and V row addresses and int8 scales at [0, nk), the next step's after them.
+  const char* krows[2 * kDecodeChunk];
+  const char* vrows[2 * kDecodeChunk];
+  float kscales[2 * kDecodeChunk], vscales[2 * kDecodeChunk];
   // Rows that are a whole number of vectors are read in place (widened in registers); others
   // are widened into a zero-padded buffer first.
   // (Ep, Evp are padded to 16 for every ISA: a row shorter than that would be read past its end.)
@@ -930,12 +960,11 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
   const bool modify = p.softcap2 > 0.0f || it0.alibi2 != nullptr;
   // The AVX512-BF16 build's paths (decode_bf16_dot.hpp): bf16 queries dot bf16 keys read in
-  // place; bf16 values read in place in 32-element blocks accumulate in a permuted order, by
-  // vdpbf16ps for bf16 queries (P rounded to bf16, as the output will be) and by FMA otherwise.
+  // place; bf16 values read in place in 32-element blocks accumulate in a permuted order (float32
+  // P, by FMA).
   constexpr bool kDotType = kBf16Dot && T == KvType::kBFloat16;
   const bool dot_k = kDotType && p.q_bf16 && k_in_place && !lanes;
   const bool permuted_v = kDotType && v_in_place && p.Evp % 32 == 0;
-  const bool dot_v = permuted_v && p.q_bf16;
 
   // Keys outside every row's band are read by no row: past the last row's upper limit, before
   // the first row's lower one. (The driver cuts its ranges to the band already; this trims the
@@ -959,9 +988,12 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
     }
   }
   if (j_begin >= j_end) return;
+  // One query row per head, read in place, no variant on the scores: single_row_step.
+  bool single_row = W == 16 && T != KvType::kInt8 && it0.R == 1 && k_in_place && v_in_place && !modify && !dot_k &&
+                    !permuted_v && (p.Evp == 4 * W || p.Evp == 8 * W);
+  for (int64_t h = 0; h < heads; ++h) single_row = single_row && its[h].mask[0] == nullptr;
   if constexpr (W == 16 && T != KvType::kInt8) {
-    if (heads == 1 && it0.R == 1 && kv0.pages == nullptr && k_in_place && v_in_place && !modify &&
-        it0.mask[0] == nullptr && !dot_k && !permuted_v && (p.Evp == 4 * W || p.Evp == 8 * W)) {
+    if (single_row && heads == 1 && kv0.pages == nullptr) {
       if (p.Evp == 4 * W) {
         decode_single_row<T, 4>(p, kv0, it0, j_begin, j_end, st);
       } else {
@@ -981,18 +1013,16 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
     }
   }
 
-  const StepShared x{st, kwide, vwide, kchunk, pp, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place,
-                     modify, dot_k, permuted_v, dot_v};
+  const StepShared x{st, kwide, vwide, kchunk, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place,
+                     modify, dot_k, permuted_v};
 
   // Steps: a chunk of one head. The keys go by groups of whole pages (at least a chunk), and a
   // group's chunks head after head: for a pool page of every head's rows that is memory order.
-  // rows[2 * cur] (K) and rows[2 * cur + 1] (V) hold the step's rows, rows[2 * (1 - cur) ...]
-  // the next step's, which the step prefetches.
+  // krows and vrows hold the step's rows, then the next step's, which the step prefetches.
   const int64_t group = heads > 1 && kv0.page_size > kDecodeChunk
                             ? (kv0.page_size + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk : kDecodeChunk;
-  int cur = 0;
-  chunk_rows<T>(kv0, false, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[0], scales[0]);
-  chunk_rows<T>(kv0, true, j_begin, imin(kDecodeChunk, j_end - j_begin), rows[1], scales[1]);
+  chunk_rows<T>(kv0, false, j_begin, imin(kDecodeChunk, j_end - j_begin), krows, kscales);
+  chunk_rows<T>(kv0, true, j_begin, imin(kDecodeChunk, j_end - j_begin), vrows, vscales);
   for (int64_t g0 = j_begin; g0 < j_end; g0 += group) {
     const int64_t g1 = imin(g0 + group, j_end);
     for (int64_t h = 0; h < heads; ++h) {
@@ -1006,15 +1036,29 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
           e1 = h + 1 < heads ? g1 : imin(g1 + group, j_end);
         }
         const int64_t next_n = c1 < j_end ? imin(kDecodeChunk, e1 - c1) : 0;
-        const int nxt = 1 - cur;
         if (next_n > 0) {
-          chunk_rows<T>(kvs[h1], false, c1, next_n, rows[2 * nxt], scales[2 * nxt]);
-          chunk_rows<T>(kvs[h1], true, c1, next_n, rows[2 * nxt + 1], scales[2 * nxt + 1]);
+          chunk_rows<T>(kvs[h1], false, c1, next_n, krows + nk, kscales + nk);
+          chunk_rows<T>(kvs[h1], true, c1, next_n, vrows + nk, vscales + nk);
         }
-        const Step sp{qt_of(h), q2_of(h), rows[2 * cur], rows[2 * cur + 1], scales[2 * cur], scales[2 * cur + 1],
-                      rows[2 * nxt], rows[2 * nxt + 1], c0, nk, next_n, c0 == j_begin && h == 0};
-        decode_step<T>(p, kvs[h], its[h], x, sp);
-        cur = 1 - cur;
+        if constexpr (W == 16 && T != KvType::kInt8) {
+          if (single_row && p.Evp == 4 * W) {
+            single_row_step<T, 4>(p, its[h], WindowRows{krows, vrows}, nk, next_n, st);
+          } else if (single_row) {
+            single_row_step<T, 8>(p, its[h], WindowRows{krows, vrows}, nk, next_n, st);
+          }
+        }
+        if (!single_row) {
+          const Step sp{qt_of(h), q2_of(h), krows, vrows, kscales, vscales, krows + nk, vrows + nk, c0, nk, next_n,
+                        c0 == j_begin && h == 0};
+          decode_step<T>(p, kvs[h], its[h], x, sp);
+        }
+        // The next step's rows become the step's.
+        std::copy_n(krows + nk, next_n, krows);
+        std::copy_n(vrows + nk, next_n, vrows);
+        if (T == KvType::kInt8) {
+          std::copy_n(kscales + nk, next_n, kscales);
+          std::copy_n(vscales + nk, next_n, vscales);
+        }
       }
     }
   }
