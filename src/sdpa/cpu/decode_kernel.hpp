@@ -663,8 +663,8 @@ struct StepShared {
 };
 
 // One step: head `it`'s chunk of nk keys at c0, their rows (kr, vr) and scales (ks, vs), the
-// head's packed queries (qt, q2), and the next step's rows (next_k, next_v: next_n of them), which
-// this step prefetches.
+// head's packed queries (qt, q2). The next step's rows, which this step prefetches, follow the
+// step's in kr and vr (next_n of them; next_v = vr + nk).
 struct Step {
   const float* qt;
   const uint32_t* q2;
@@ -672,7 +672,6 @@ struct Step {
   const char* const* vr;
   const float* ks;
   const float* vs;
-  const char* const* next_k;
   const char* const* next_v;
   int64_t c0, nk, next_n;
   bool first_step;
@@ -708,14 +707,14 @@ inline void online_softmax_row(float* sr, int64_t nkp, float& m, float& l, float
 }
 
 // The score loop's prefetches for token u (see kPrefetchAhead): the key row kPrefetchAhead tokens
-// on (into the next step's rows past the chunk's end), and `v_row` when the values were not
-// prefetched by the last step's P.V (null: none). Always inlined: GCC finds a function whose only
-// effect is a prefetch pure, and drops its calls (a plain inline one vanished from decode_step).
-[[gnu::always_inline]] inline void prefetch_token(const char* const* kr, const char* const* next_k, int64_t nk, int64_t next_n, int64_t u,
-                           int64_t k_bytes, const char* v_row, int64_t v_bytes) {
-  const int64_t ua = u + kPrefetchAhead;
-  const char* ahead = ua < nk ? kr[ua] : ua - nk < next_n ? next_k[ua - nk] : nullptr;
-  if (ahead != nullptr) {
+// on, if there is one among the n rows of kr (the step's, then the next step's), and `v_row` when
+// the values were not prefetched by the last step's P.V (null: none). Always inlined: GCC finds a
+// function whose only effect is a prefetch pure, and drops its calls (a plain inline one vanished
+// from decode_step).
+[[gnu::always_inline]] inline void prefetch_token(const char* const* kr, int64_t n, int64_t u, int64_t k_bytes,
+                                                  const char* v_row, int64_t v_bytes) {
+  if (u + kPrefetchAhead < n) {
+    const char* ahead = kr[u + kPrefetchAhead];
     for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
   }
   if (v_row != nullptr) {
@@ -732,7 +731,7 @@ template <KvType T>
                                    const Step& sp) {
   const auto& [st, kwide, vwide, kchunk, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place, modify, dot_k,
                permuted_v] = x;
-  const auto& [qt, q2, kr, vr, ks, vs, next_k, next_v, c0, nk, next_n, first_step] = sp;
+  const auto& [qt, q2, kr, vr, ks, vs, next_v, c0, nk, next_n, first_step] = sp;
   const int64_t nkp = (nk + W - 1) / W * W;
   constexpr float kLog2e = 1.4426950408889634f;
   const float* kf[kDecodeChunk];
@@ -758,12 +757,12 @@ template <KvType T>
   const bool prefetch_v = !v_in_place || first_step;  // else the last step's P.V prefetched them
   if (token_by_token) {
     for (int64_t u = 0; u < nk; ++u) {
-      prefetch_token(kr, next_k, nk, next_n, u, k_bytes, prefetch_v ? vr[u] : nullptr, v_bytes);
+      prefetch_token(kr, nk + next_n, u, k_bytes, prefetch_v ? vr[u] : nullptr, v_bytes);
       for (int64_t r = 0; r < it.R; ++r) st[r * kDecodeChunk + u] = dot_row<T>(it.q + r * p.Ep, kr[u], p.Ep) * kscale[u];
     }
   }
   for (int64_t u = 0; u < (token_by_token ? 0 : nk); ++u) {
-    prefetch_token(kr, next_k, nk, next_n, u, k_bytes, prefetch_v ? vr[u] : nullptr, v_bytes);
+    prefetch_token(kr, nk + next_n, u, k_bytes, prefetch_v ? vr[u] : nullptr, v_bytes);
     const float s = kscale[u];
     if (dot_k) {
       if (u % 4 == 3) dot_scores_tokens4(q2, words, it.R, p.E, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
@@ -1048,7 +1047,7 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
           }
         }
         if (!single_row) {
-          const Step sp{qt_of(h), q2_of(h), krows, vrows, kscales, vscales, krows + nk, vrows + nk, c0, nk, next_n,
+          const Step sp{qt_of(h), q2_of(h), krows, vrows, kscales, vscales, vrows + nk, c0, nk, next_n,
                         c0 == j_begin && h == 0};
           decode_step<T>(p, kvs[h], its[h], x, sp);
         }
