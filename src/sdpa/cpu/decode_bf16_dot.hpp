@@ -147,9 +147,9 @@ inline void dot_scores_token(const uint32_t* q2, int64_t words, int64_t R, int64
 // acc's permuted blocks [c0, c0 + 32 NB) += P[rows] . V over the chunk's tokens: float32 weights
 // and FMAs, each bf16 value row widened into the permuted order. With kGuard a zero weight is
 // skipped, never multiplied.
-template <int RT, int NB, bool kGuard>
+template <int RT, int NB, bool kGuard, typename Hook>
 inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
-                            int64_t Evp, float* acc, PvPrefetch pf) {
+                            int64_t Evp, float* acc, PvPrefetch pf, Hook& hook) {
   __m512 a[RT][2 * NB];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
@@ -173,37 +173,40 @@ inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t n
       const __m512 pb = _mm512_set1_ps(pr);
       for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_fmadd_ps(pb, v[c], a[r][c]);
     }
+    hook();
   }
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < 2 * NB; ++c) _mm512_storeu_ps(acc + (r0 + r) * Evp + c0 + 16 * c, a[r][c]);
   }
 }
 
-template <int RT>
+template <int RT, typename Hook>
 inline void pv_rows_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp, float* acc,
-                             PvPrefetch pf) {
+                             PvPrefetch pf, Hook& hook) {
   const bool guard = any_zero_weight(st, r0, RT, nk);
   int64_t c0 = 0;
   for (; c0 + 64 <= Evp; c0 += 64) {
     if (guard) {
-      pv_tile_widened<RT, 2, true>(st, vrows, nk, r0, c0, Evp, acc, pf);
+      pv_tile_widened<RT, 2, true>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
     } else {
-      pv_tile_widened<RT, 2, false>(st, vrows, nk, r0, c0, Evp, acc, pf);
+      pv_tile_widened<RT, 2, false>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
     }
   }
   if (c0 < Evp) {
     if (guard) {
-      pv_tile_widened<RT, 1, true>(st, vrows, nk, r0, c0, Evp, acc, pf);
+      pv_tile_widened<RT, 1, true>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
     } else {
-      pv_tile_widened<RT, 1, false>(st, vrows, nk, r0, c0, Evp, acc, pf);
+      pv_tile_widened<RT, 1, false>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
     }
   }
 }
 
-// P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32).
+// P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32), hook() after each
+// token of each tile.
+template <typename Hook = const NoHook>
 inline void pv_chunk_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp, float* acc,
-                              PvPrefetch pf) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0)); });
+                              PvPrefetch pf, Hook& hook = NoHook{}) {
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0), hook); });
 }
 
 // The accumulators back in element order: block lane 4k + i of lanes 0-15 is element 8k + i,
@@ -227,7 +230,9 @@ inline int64_t q_words(int64_t) { return 0; }
 inline void pack_query_pairs(const float*, int64_t, int64_t, uint32_t*) {}
 inline void dot_scores_tokens4(const uint32_t*, int64_t, int64_t, int64_t, const void* const*, const float*, float*) {}
 inline void dot_scores_token(const uint32_t*, int64_t, int64_t, int64_t, const void*, float, float*) {}
-inline void pv_chunk_permuted(const float*, const void* const*, int64_t, int64_t, int64_t, float*, PvPrefetch) {}
+template <typename Hook = const NoHook>
+inline void pv_chunk_permuted(const float*, const void* const*, int64_t, int64_t, int64_t, float*, PvPrefetch,
+                              Hook& = NoHook{}) {}
 inline void unpermute_rows(float*, int64_t, int64_t) {}
 #endif
 

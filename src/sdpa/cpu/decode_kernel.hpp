@@ -22,6 +22,8 @@
 // (single_row_step), dense K/V addressed as base + u * stride, a paged cache's through the
 // step's row-address window. P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
 // chunk's tokens, so the accumulators stay in registers and each value vector feeds 4 rows.
+// Four rows per kv head (GQA group 4, one new token) take a pipelined loop instead of
+// decode_step's phases: the next step's scores between this step's P.V tokens (decode_pipeline.hpp).
 // Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
 // per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
 // reach the machine's bandwidth, so the score loop prefetches the key row kPrefetchAhead tokens
@@ -308,11 +310,17 @@ inline PvPrefetch for_row_tile(const PvPrefetch& pf, int64_t r0) {
   return r0 == 0 ? pf : PvPrefetch{nullptr, 0, pf.l1};
 }
 
+// What the P.V tiles call after each token: nothing, or another computation to interleave with
+// them (the pipelined loop's ScoreFeed, decode_pipeline.hpp).
+struct NoHook {
+  void operator()() const {}
+};
+
 // acc[r][c0 : c0 + CV*W] += sum_u P[r][u] * v_u[c0 : ...] for RT rows from r0, the tile in
 // registers over the chunk's tokens. With kGuard a zero weight is skipped, never multiplied.
-template <KvType T, int RT, int CV, bool kGuard>
+template <KvType T, int RT, int CV, bool kGuard, typename Hook = const NoHook>
 inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
-                    int64_t Evp, float* acc, PvPrefetch pf) {
+                    int64_t Evp, float* acc, PvPrefetch pf, Hook& hook = NoHook{}) {
   vf a[RT][CV];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
@@ -332,6 +340,7 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
       const vf pb = splat(pr);
       for (int c = 0; c < CV; ++c) a[r][c] += pb * v[c];
     }
+    hook();
   }
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) store(acc + (r0 + r) * Evp + c0 + c * W, a[r][c]);
@@ -354,9 +363,9 @@ inline bool any_zero_weight(const float* st, int64_t r0, int RT, int64_t nk) {
   return false;
 }
 
-template <KvType T, int RT, bool kGuard>
+template <KvType T, int RT, bool kGuard, typename Hook>
 inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
-                    float* acc, PvPrefetch pf) {
+                    float* acc, PvPrefetch pf, Hook& hook) {
   constexpr int kCV = W >= 16 ? 4 : 2;
   int64_t c0 = 0;
   // A single row (no GQA: one query row per kv head) reads float32 values in one sweep of 8
@@ -373,19 +382,19 @@ inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64
   // Paged float32 measured the same as two sweeps.
   if constexpr (RT == 1 && W >= 16 && T != KvType::kInt8) {
     const PvPrefetch l2_only{pf.rows, pf.n, false};
-    for (; c0 + 8 * W <= Evp; c0 += 8 * W) pv_tile<T, 1, 8, kGuard>(st, vrows, nk, r0, c0, Evp, acc, l2_only);
+    for (; c0 + 8 * W <= Evp; c0 += 8 * W) pv_tile<T, 1, 8, kGuard>(st, vrows, nk, r0, c0, Evp, acc, l2_only, hook);
   }
-  for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf);
-  for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf);
+  for (; c0 + kCV * W <= Evp; c0 += kCV * W) pv_tile<T, RT, kCV, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
+  for (; c0 < Evp; c0 += W) pv_tile<T, RT, 1, kGuard>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
 }
 
-template <KvType T, int RT>
+template <KvType T, int RT, typename Hook>
 inline void pv_rows(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
-                    float* acc, PvPrefetch pf) {
+                    float* acc, PvPrefetch pf, Hook& hook) {
   if (any_zero_weight(st, r0, RT, nk)) {
-    pv_cols<T, RT, true>(st, vrows, nk, r0, Evp, acc, pf);
+    pv_cols<T, RT, true>(st, vrows, nk, r0, Evp, acc, pf, hook);
   } else {
-    pv_cols<T, RT, false>(st, vrows, nk, r0, Evp, acc, pf);
+    pv_cols<T, RT, false>(st, vrows, nk, r0, Evp, acc, pf, hook);
   }
 }
 
@@ -399,11 +408,11 @@ inline void by_row_tiles(int64_t R, Rows rows) {
   for (; r0 < R; ++r0) rows.template operator()<1>(r0);
 }
 
-// P.V for all rows of the chunk.
-template <KvType T>
+// P.V for all rows of the chunk, hook() after each token of each tile.
+template <KvType T, typename Hook = const NoHook>
 inline void pv_chunk(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp,
-                     float* acc, PvPrefetch pf = {}) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0)); });
+                     float* acc, PvPrefetch pf = {}, Hook& hook = NoHook{}) {
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0), hook); });
 }
 
 // The sums of four vectors' lanes, as {sum a0, sum a1, sum a2, sum a3}: one transposing
@@ -706,6 +715,48 @@ inline void online_softmax_row(float* sr, int64_t nkp, float& m, float& l, float
   }
 }
 
+// The chunk's scores st (R rows of kDecodeChunk, nk keys from c0) made weights: per row the
+// variants (softcap, ALiBi, mask, band, in the fused forward's order), -inf padding to a whole
+// vector, the online softmax into the row's (m, l, acc), and int8's value scales vs folded in.
+template <KvType T>
+inline void finish_scores(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, bool modify, const float* vs,
+                          int64_t c0, int64_t nk, float* st) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int64_t nkp = (nk + W - 1) / W * W;
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = st + r * kDecodeChunk;
+    const int64_t i = it.query_pos[r];
+    // One test per row and chunk, none per element, when no variant is used.
+    if (modify) modify_row(p.softcap2, it.alibi2 != nullptr ? it.alibi2[r] : 0.0f, i + kv.diag_offset - c0, nkp, sr);
+    if (it.mask[r] != nullptr) {
+      const float* mr = it.mask[r] + c0 * p.mask_col;
+      for (int64_t u = 0; u < nk; ++u) {
+        const float mv = mr[u * p.mask_col];
+        if (p.mask_is_bool) {
+          if (mv == 0.0f) sr[u] = kNegInf;
+        } else {
+          sr[u] += mv * kLog2e;  // additive masks are in natural-log units
+        }
+      }
+    }
+    // The band last: a key outside it is hidden whatever an additive mask adds.
+    if (p.band_hi) {  // keys j > i + hi_offset
+      const int64_t limit = i + kv.hi_offset;
+      for (int64_t u = limit + 1 - c0 < 0 ? 0 : limit + 1 - c0; u < nk; ++u) sr[u] = kNegInf;
+    }
+    if (p.band_lo) {  // keys j < i + lo_offset
+      const int64_t limit = imin(i + kv.lo_offset - c0, nk);
+      for (int64_t u = 0; u < limit; ++u) sr[u] = kNegInf;
+    }
+    for (int64_t u = nk; u < nkp; ++u) sr[u] = kNegInf;
+
+    online_softmax_row(sr, nkp, it.m[r], it.l[r], it.acc + r * p.Evp, p.Evp);
+    if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
+      for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
+    }
+  }
+}
+
 // The score loop's prefetches for token u (see kPrefetchAhead): the key row kPrefetchAhead tokens
 // on, if there is one among the n rows of kr (the step's, then the next step's), and `v_row` when
 // the values were not prefetched by the last step's P.V (null: none). Always inlined: GCC finds a
@@ -732,8 +783,6 @@ template <KvType T>
   const auto& [st, kwide, vwide, kchunk, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place, modify, dot_k,
                permuted_v] = x;
   const auto& [qt, q2, kr, vr, ks, vs, next_v, c0, nk, next_n, first_step] = sp;
-  const int64_t nkp = (nk + W - 1) / W * W;
-  constexpr float kLog2e = 1.4426950408889634f;
   const float* kf[kDecodeChunk];
   float kscale[kDecodeChunk];
   const void* vrow[kDecodeChunk];
@@ -801,38 +850,7 @@ template <KvType T>
     }
   }
 
-  for (int64_t r = 0; r < it.R; ++r) {
-    float* sr = st + r * kDecodeChunk;
-    const int64_t i = it.query_pos[r];
-    // One test per row and chunk, none per element, when no variant is used.
-    if (modify) modify_row(p.softcap2, it.alibi2 != nullptr ? it.alibi2[r] : 0.0f, i + kv.diag_offset - c0, nkp, sr);
-    if (it.mask[r] != nullptr) {
-      const float* mr = it.mask[r] + c0 * p.mask_col;
-      for (int64_t u = 0; u < nk; ++u) {
-        const float mv = mr[u * p.mask_col];
-        if (p.mask_is_bool) {
-          if (mv == 0.0f) sr[u] = kNegInf;
-        } else {
-          sr[u] += mv * kLog2e;  // additive masks are in natural-log units
-        }
-      }
-    }
-    // The band last: a key outside it is hidden whatever an additive mask adds.
-    if (p.band_hi) {  // keys j > i + hi_offset
-      const int64_t limit = i + kv.hi_offset;
-      for (int64_t u = limit + 1 - c0 < 0 ? 0 : limit + 1 - c0; u < nk; ++u) sr[u] = kNegInf;
-    }
-    if (p.band_lo) {  // keys j < i + lo_offset
-      const int64_t limit = imin(i + kv.lo_offset - c0, nk);
-      for (int64_t u = 0; u < limit; ++u) sr[u] = kNegInf;
-    }
-    for (int64_t u = nk; u < nkp; ++u) sr[u] = kNegInf;
-
-    online_softmax_row(sr, nkp, it.m[r], it.l[r], it.acc + r * p.Evp, p.Evp);
-    if (T == KvType::kInt8) {  // the value rows' scales fold into the weights (l is unscaled)
-      for (int64_t u = 0; u < nk; ++u) sr[u] *= vs[u];
-    }
-  }
+  finish_scores<T>(p, kv, it, modify, vs, c0, nk, st);
 
   const PvPrefetch pf{next_v, next_n, true};  // values read in place: the L2 and the L1 prefetch
   if (permuted_v) {
@@ -916,6 +934,32 @@ void decode_single_row(const DecodeParams& p, const DecodeKv& kv, const DecodeIt
     single_row_step<T, CV>(p, it, rows, nk, next_n, st);
   }
 }
+
+// The order of an item's steps (a chunk of one head): by groups of `group` keys (whole pages, at
+// least a chunk), a group's chunks head after head: for a pool page of every head's rows that is
+// memory order.
+struct StepOrder {
+  int64_t j_begin, j_end, group, heads;
+  struct Pos {
+    int64_t h, c0, nk;  // nk = 0: past the last step
+  };
+  Pos first() const { return {0, j_begin, imin(kDecodeChunk, imin(j_begin + group, j_end) - j_begin)}; }
+  // This head's next chunk of the group, else the next head's first, else the next group's first
+  // head's.
+  Pos next(const Pos& s) const {
+    const int64_t g0 = j_begin + (s.c0 - j_begin) / group * group, g1 = imin(g0 + group, j_end);
+    if (s.c0 + kDecodeChunk < g1) return {s.h, s.c0 + kDecodeChunk, imin(kDecodeChunk, g1 - s.c0 - kDecodeChunk)};
+    if (s.h + 1 < heads) return {s.h + 1, g0, imin(kDecodeChunk, g1 - g0)};
+    if (g1 < j_end) return {0, g1, imin(kDecodeChunk, imin(g1 + group, j_end) - g1)};
+    return {0, j_end, 0};
+  }
+};
+
+}  // namespace attn::cpu::ATTN_SIMD_NS
+
+#include "sdpa/cpu/decode_pipeline.hpp"
+
+namespace attn::cpu::ATTN_SIMD_NS {
 
 // An item of `heads` kv heads of one sequence (kvs[h], its[h]: the same key range, rows, band and
 // pages, each head its own queries and partial) walks the range chunk by chunk and, within a
@@ -1015,51 +1059,52 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   const StepShared x{st, kwide, vwide, kchunk, Rp, words, k_bytes, v_bytes, lanes, k_in_place, v_in_place,
                      modify, dot_k, permuted_v};
 
-  // Steps: a chunk of one head. The keys go by groups of whole pages (at least a chunk), and a
-  // group's chunks head after head: for a pool page of every head's rows that is memory order.
-  // krows and vrows hold the step's rows, then the next step's, which the step prefetches.
+  // Steps: a chunk of one head, in StepOrder. krows and vrows hold the step's rows, then the next
+  // step's, which the step prefetches.
   const int64_t group = heads > 1 && kv0.page_size > kDecodeChunk
                             ? (kv0.page_size + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk : kDecodeChunk;
-  chunk_rows<T>(kv0, false, j_begin, imin(kDecodeChunk, j_end - j_begin), krows, kscales);
-  chunk_rows<T>(kv0, true, j_begin, imin(kDecodeChunk, j_end - j_begin), vrows, vscales);
-  for (int64_t g0 = j_begin; g0 < j_end; g0 += group) {
-    const int64_t g1 = imin(g0 + group, j_end);
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t c0 = g0; c0 < g1; c0 += kDecodeChunk) {
-        const int64_t nk = imin(kDecodeChunk, g1 - c0);
-        // The next step: this head's next chunk of the group, else the next head's first, else the
-        // next group's first head's; c1 = j_end: none.
-        int64_t c1 = c0 + kDecodeChunk, h1 = h, e1 = g1;
-        if (c1 >= g1) {
-          c1 = h + 1 < heads ? g0 : g1, h1 = h + 1 < heads ? h + 1 : 0;
-          e1 = h + 1 < heads ? g1 : imin(g1 + group, j_end);
-        }
-        const int64_t next_n = c1 < j_end ? imin(kDecodeChunk, e1 - c1) : 0;
-        if (next_n > 0) {
-          chunk_rows<T>(kvs[h1], false, c1, next_n, krows + nk, kscales + nk);
-          chunk_rows<T>(kvs[h1], true, c1, next_n, vrows + nk, vscales + nk);
-        }
-        if constexpr (W == 16 && T != KvType::kInt8) {
-          if (single_row && p.Evp == 4 * W) {
-            single_row_step<T, 4>(p, its[h], WindowRows{krows, vrows}, nk, next_n, st);
-          } else if (single_row) {
-            single_row_step<T, 8>(p, its[h], WindowRows{krows, vrows}, nk, next_n, st);
-          }
-        }
-        if (!single_row) {
-          const Step sp{qt_of(h), q2_of(h), krows, vrows, kscales, vscales, vrows + nk, c0, nk, next_n,
-                        c0 == j_begin && h == 0};
-          decode_step<T>(p, kvs[h], its[h], x, sp);
-        }
-        // The next step's rows become the step's.
-        std::copy_n(krows + nk, next_n, krows);
-        std::copy_n(vrows + nk, next_n, vrows);
-        if (T == KvType::kInt8) {
-          std::copy_n(kscales + nk, next_n, kscales);
-          std::copy_n(vscales + nk, next_n, vscales);
-        }
+  const StepOrder order{j_begin, j_end, group, heads};
+  // Four rows read in place (GQA group 4, one new token): the next step's scores during this
+  // one's P.V (decode_pipeline.hpp); 16-bit rows only from E 128 (E 64 measured slower).
+  if constexpr (W == 16 && T != KvType::kInt8) {
+    if (it0.R == 4 && k_in_place && v_in_place && !dot_k && (T == KvType::kFloat32 || p.Evp >= 128)) {
+      decode_pipelined<T>(p, kvs, its, order, modify, permuted_v, st, kchunk);  // kchunk: unused by these rows
+      if (permuted_v) {
+        for (int64_t h = 0; h < heads; ++h) unpermute_rows(its[h].acc, its[h].R, p.Evp);
+      }
+      return;
+    }
+  }
+  StepOrder::Pos s = order.first();
+  chunk_rows<T>(kvs[s.h], false, s.c0, s.nk, krows, kscales);
+  chunk_rows<T>(kvs[s.h], true, s.c0, s.nk, vrows, vscales);
+  for (; s.nk > 0;) {
+    const StepOrder::Pos s1 = order.next(s);
+    const int64_t nk = s.nk, next_n = s1.nk;
+    if (next_n > 0) {
+      chunk_rows<T>(kvs[s1.h], false, s1.c0, next_n, krows + nk, kscales + nk);
+      chunk_rows<T>(kvs[s1.h], true, s1.c0, next_n, vrows + nk, vscales + nk);
+    }
+    if constexpr (W == 16 && T != KvType::kInt8) {
+      if (single_row && p.Evp == 4 * W) {
+        single_row_step<T, 4>(p, its[s.h], WindowRows{krows, vrows}, nk, next_n, st);
+      } else if (single_row) {
+        single_row_step<T, 8>(p, its[s.h], WindowRows{krows, vrows}, nk, next_n, st);
       }
     }
+    if (!single_row) {
+      const Step sp{qt_of(s.h), q2_of(s.h), krows, vrows, kscales, vscales, vrows + nk, s.c0, nk, next_n,
+                    s.c0 == j_begin && s.h == 0};
+      decode_step<T>(p, kvs[s.h], its[s.h], x, sp);
+    }
+    // The next step's rows become the step's.
+    std::copy_n(krows + nk, next_n, krows);
+    std::copy_n(vrows + nk, next_n, vrows);
+    if (T == KvType::kInt8) {
+      std::copy_n(kscales + nk, next_n, kscales);
+      std::copy_n(vscales + nk, next_n, vscales);
+    }
+    s = s1;
   }
   if (permuted_v) {
     for (int64_t h = 0; h < heads; ++h) unpermute_rows(its[h].acc, its[h].R, p.Evp);
