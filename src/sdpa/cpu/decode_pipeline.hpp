@@ -47,18 +47,13 @@ struct ScoreFeed {
   int64_t t = 0;
 
   [[gnu::noinline]] void score() {
-    if (t + kPrefetchAhead < n_ahead) {
-      const char* ahead = kr[t + kPrefetchAhead];
-      for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
-    }
+    prefetch_key_ahead(kr, n_ahead, t, k_bytes);
     scores_token<T>(q, R, Ep, kr[t], scale, st + t);
     ++t;
   }
   // Four key rows at once (a query vector loaded once for the four): scores_tokens4.
   [[gnu::noinline]] void score4() {
-    for (int64_t a = t + kPrefetchAhead; a < t + kPrefetchAhead + 4 && a < n_ahead; ++a) {
-      for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(kr[a] + b, 0, kPrefetchLocality);
-    }
+    for (int64_t i = 0; i < 4; ++i) prefetch_key_ahead(kr, n_ahead, t + i, k_bytes);
     const float s4[4] = {scale, scale, scale, scale};
     scores_tokens4<T>(q, R, Ep, reinterpret_cast<const void* const*>(kr + t), s4, st + t);
     t += 4;
@@ -78,19 +73,6 @@ struct ScoreFeed {
     while (t < n) score();
   }
 };
-
-// The tokens pv_chunk runs its tiles over, per token of the chunk: one per (row tile, column
-// tile) pair, as pv_cols cuts them.
-template <KvType T>
-inline int64_t pv_tile_count(int64_t R, int64_t Evp) {
-  auto cols = [&](int64_t rt) {
-    int64_t c = Evp, n = 0;
-    if (rt == 1 && W >= 16 && T != KvType::kInt8) n += c / (8 * W), c %= 8 * W;
-    const int64_t cv = W >= 16 ? 4 : 2;
-    return n + c / (cv * W) + c % (cv * W) / W;
-  };
-  return R / 4 * cols(4) + R % 4 / 2 * cols(2) + R % 2 * cols(1);
-}
 
 // The item's steps in `order`, pipelined. st_a and st_b: two (R, kDecodeChunk) score buffers.
 template <KvType T>
@@ -116,10 +98,7 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
   float* cur = st_a;
   float* nxt = st_b;
   for (int64_t u = 0; u < s.nk; ++u) {
-    if (u + kPrefetchAhead < s.nk + s1.nk) {
-      for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(kwin[u + kPrefetchAhead] + b, 0, kPrefetchLocality);
-    }
-    for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vrows[0][u] + b, 0, kPrefetchLocality);
+    prefetch_token(kwin, s.nk + s1.nk, u, k_bytes, vrows[0][u], v_bytes);
     scores_token<T>(its[s.h].q, R, p.Ep, kwin[u], p.scale_log2, cur + u);
   }
   finish_scores<T>(p, kvs[s.h], its[s.h], modify, nullptr, s.c0, s.nk, cur);

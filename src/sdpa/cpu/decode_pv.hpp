@@ -1,0 +1,159 @@
+// The split-KV decode kernel's P.V (decode_kernel.hpp): acc (R, Evp) += P (R, nk) . V (nk, Evp)
+// over a chunk's value rows, read in place (widened in registers) through their addresses.
+// Tiling: register tiles of RT = 4, 2 or 1 rows x CV vectors of Ev (by_row_tiles, by_col_tiles),
+// the tile's accumulators in registers over the chunk's tokens, so each value vector loaded
+// feeds RT rows and acc is read and written once per chunk. Memory: the chunk's value rows once
+// per column tile (from L1 after the first), the next step's rows prefetched as the tiles go
+// (PvPrefetch). A hook runs after each token of each tile: the pipelined loop's next scores
+// (decode_pipeline.hpp). Included by decode_kernel.hpp inside its per-ISA namespace.
+#pragma once
+
+namespace attn::cpu::ATTN_SIMD_NS {
+
+// The P.V tiles' prefetches. The next chunk's value rows (n of them, none when n = 0) go to L2,
+// by the tiles of the first row tile as they go: a tile's step for token u prefetches the bytes
+// of next row u that the same step of the next chunk will read. So the values' requests are
+// spread over the P.V phase as the keys' are over the scores (see kPrefetchAhead) and memory
+// stays busy in both. With l1, a step also brings this chunk's row kL1Ahead tokens on from L2 to
+// L1, as the hardware's L1 prefetcher does not for rows read a tile at a time: on Zen 4 (2
+// threads, float32, H_q 32, H_kv 8, E 128, S 8192, alternating) 2.18-2.25 -> 2.03-2.12 ms, one
+// thread 3.56-3.58 -> 3.1-3.4 ms. With pages shorter than a chunk it had cost time while the
+// kernel read one kv head at a time (16-token pages: 2.29-2.35 -> 2.34-2.40 ms); reading a
+// page's heads together, it gains there too (paged / contiguous, interleaved in one process:
+// float32 1.03-1.05 -> 1.00-1.04, bf16 1.17-1.20 -> 1.12-1.15). None for the keys: their L1
+// prefetch 4 or 8 rows on measured no better.
+struct PvPrefetch {
+  const char* const* rows = nullptr;
+  int64_t n = 0;
+  bool l1 = false;
+};
+constexpr int64_t kL1Ahead = 4;  // tokens; 8 measured the same
+
+// The P.V prefetches a row tile starting at r0 makes: the next chunk's rows only by the first.
+inline PvPrefetch for_row_tile(const PvPrefetch& pf, int64_t r0) {
+  return r0 == 0 ? pf : PvPrefetch{nullptr, 0, pf.l1};
+}
+
+// What the P.V tiles call after each token: nothing, or another computation to interleave with
+// them (the pipelined loop's ScoreFeed, decode_pipeline.hpp).
+struct NoHook {
+  void operator()() const {}
+};
+
+// acc[r][c0 : c0 + CV*W] += sum_u P[r][u] * v_u[c0 : ...] for RT rows from r0, the tile in
+// registers over the chunk's tokens. With kGuard a zero weight is skipped, never multiplied.
+template <KvType T, int RT, int CV, bool kGuard, typename Hook = const NoHook>
+inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
+                    int64_t Evp, float* acc, PvPrefetch pf, Hook& hook = NoHook{}) {
+  vf a[RT][CV];
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
+  }
+  for (int64_t u = 0; u < nk; ++u) {
+    if (u < pf.n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
+    if (pf.l1 && u + kL1Ahead < nk) {
+      prefetch_lines<CV * W * elem_size(T), 3>(static_cast<const char*>(vrows[u + kL1Ahead]) + c0 * elem_size(T));
+    }
+    vf v[CV];
+    for (int c = 0; c < CV; ++c) v[c] = load_as_float<T>(vrows[u], c0 + c * W);
+    for (int r = 0; r < RT; ++r) {
+      const float pr = st[(r0 + r) * kDecodeChunk + u];
+      if constexpr (kGuard) {
+        if (pr == 0.0f) continue;
+      }
+      const vf pb = splat(pr);
+      for (int c = 0; c < CV; ++c) a[r][c] += pb * v[c];
+    }
+    hook();
+  }
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < CV; ++c) store(acc + (r0 + r) * Evp + c0 + c * W, a[r][c]);
+  }
+}
+
+// Whether a weight among rows [r0, r0 + RT)'s first nk is exactly zero: only then must the tile
+// test each weight (a test per row and token was a fifth of a bf16 decode's instructions).
+inline bool any_zero_weight(const float* st, int64_t r0, int RT, int64_t nk) {
+  for (int r = 0; r < RT; ++r) {
+    const float* sr = st + (r0 + r) * kDecodeChunk;
+    int64_t u = 0;
+    for (; u + W <= nk; u += W) {
+      if (count_true(load(sr + u) == 0.0f) != 0) return true;
+    }
+    for (; u < nk; ++u) {
+      if (sr[u] == 0.0f) return true;
+    }
+  }
+  return false;
+}
+
+// tile.template operator()<CV>(c0, l1) for the column tiles of CV vectors that cover [0, Evp) for
+// RT rows, l1: whether the tile makes PvPrefetch's L1 prefetches.
+// A single row (no GQA: one query row per kv head) reads float32 values in one sweep of 8
+// vectors (E 128: the whole row) per token, not two of 4: rows in memory order, and half the
+// accumulator loads and stores. Its L1 prefetch is off (8 lines at once stalled the fill
+// buffers: 7.5-9.0 -> 10.8-11.3 ms). Zen 4, H_q = H_kv = 32, E 128, S 8192, 2 threads, against
+// the two sweeps in alternating runs of the same memory state: 5-19 % faster in 12 of 13 pairs
+// (3 % slower in one; 8.4-8.8 -> 7.9 ms at a 36 GB/s probe, 7.5-7.7 -> 6.3-6.8 at 60); ggml reads
+// rows in order too, and was 4-15 % faster before. 16-bit values likewise (a sweep of 4 vectors
+// covers 128 bytes of a row, one of 8 the whole 256 of E 128): on Zen 4, in alternating runs of
+// two binaries, 0-5 % slower; on Zen 5, alternating call by call with ggml in one process
+// (scripts/bench_ggml.sh part 3, H 32/32, E 128, S 8192, f16 K/V, 2 threads, 2 x 80 rounds),
+// ggml / attn went from 0.80x to 0.91-0.92x, where a host's state cannot favour either binary.
+// Paged float32 measured the same as two sweeps.
+template <KvType T, int RT, typename Tile>
+[[gnu::always_inline]] inline void by_col_tiles(int64_t Evp, Tile&& tile) {
+  constexpr int kCV = W >= 16 ? 4 : 2;
+  int64_t c0 = 0;
+  if constexpr (RT == 1 && W >= 16 && T != KvType::kInt8) {
+    for (; c0 + 8 * W <= Evp; c0 += 8 * W) tile.template operator()<8>(c0, false);
+  }
+  for (; c0 + kCV * W <= Evp; c0 += kCV * W) tile.template operator()<kCV>(c0, true);
+  for (; c0 < Evp; c0 += W) tile.template operator()<1>(c0, true);
+}
+
+template <KvType T, int RT, bool kGuard, typename Hook>
+inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
+                    float* acc, PvPrefetch pf, Hook& hook) {
+  by_col_tiles<T, RT>(Evp, [&]<int CV>(int64_t c0, bool l1) {
+    pv_tile<T, RT, CV, kGuard>(st, vrows, nk, r0, c0, Evp, acc, PvPrefetch{pf.rows, pf.n, pf.l1 && l1}, hook);
+  });
+}
+
+template <KvType T, int RT, typename Hook>
+inline void pv_rows(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
+                    float* acc, PvPrefetch pf, Hook& hook) {
+  if (any_zero_weight(st, r0, RT, nk)) {
+    pv_cols<T, RT, true>(st, vrows, nk, r0, Evp, acc, pf, hook);
+  } else {
+    pv_cols<T, RT, false>(st, vrows, nk, r0, Evp, acc, pf, hook);
+  }
+}
+
+// rows(r0) for register tiles of RT = 4, 2 and 1 rows covering [0, R) (rows: a lambda
+// templated on RT).
+template <typename Rows>
+inline void by_row_tiles(int64_t R, Rows rows) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) rows.template operator()<4>(r0);
+  for (; r0 + 2 <= R; r0 += 2) rows.template operator()<2>(r0);
+  for (; r0 < R; ++r0) rows.template operator()<1>(r0);
+}
+
+// P.V for all rows of the chunk, hook() after each token of each tile.
+template <KvType T, typename Hook = const NoHook>
+inline void pv_chunk(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp,
+                     float* acc, PvPrefetch pf = {}, Hook& hook = NoHook{}) {
+  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows<T, RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0), hook); });
+}
+
+// The tiles pv_chunk runs over its tokens (each token of the chunk once per tile): the rows'
+// tiles times their column tiles, as by_row_tiles and by_col_tiles cut them.
+template <KvType T>
+inline int64_t pv_tile_count(int64_t R, int64_t Evp) {
+  int64_t n = 0;
+  by_row_tiles(R, [&]<int RT>(int64_t) { by_col_tiles<T, RT>(Evp, [&]<int CV>(int64_t, bool) { ++n; }); });
+  return n;
+}
+
+}  // namespace attn::cpu::ATTN_SIMD_NS
