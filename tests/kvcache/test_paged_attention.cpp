@@ -225,6 +225,58 @@ INSTANTIATE_TEST_SUITE_P(PagedAttention, PagedLayouts,
                                   std::to_string(l.group) + "_L" + std::to_string(l.L_q);
                          });
 
+// One query row per kv head (the single-row path: steps that never cross a page, a page's steps
+// head after head) over long sequences, for pages shorter than a step (16), longer and not a
+// multiple of it (96, 100), with and without a sliding window that starts inside a page: within
+// the float32 rule of the float64 truth, and the same bits for 1 and 2 threads.
+TEST(PagedAttention, SingleRowsOverPagesOfEverySize) {
+  for (const int64_t page_size : {16, 96, 100}) {
+    for (const int64_t E : {64, 128}) {
+      for (const WindowSize window : {WindowSize{-1, -1}, WindowSize{300, 0}}) {
+        const int64_t Hkv = 3, lengths[] = {1500, 2100};
+        PagedKvCacheOptions o{.num_pages = 4000 / page_size + 2, .page_size = page_size, .heads_kv = Hkv, .head_dim = E};
+        PagedKvCache c(o);
+        Generator gen(37);
+        std::vector<Tensor> keys, values;  // each sequence's (S, Hkv, E), appended a page at a time in turn
+        for (const int64_t S : lengths) {
+          c.add_sequence();
+          keys.push_back(randn({S, Hkv, E}, gen));
+          values.push_back(randn({S, Hkv, E}, gen));
+        }
+        for (int64_t t0 = 0; t0 < 2100; t0 += page_size) {
+          for (int64_t n = 0; n < 2; ++n) {
+            const int64_t t1 = std::min(lengths[n], t0 + page_size);
+            if (t0 < t1) c.append(n, keys[n].slice(0, t0, t1), values[n].slice(0, t0, t1));
+          }
+        }
+        const std::vector<int64_t> ids{1, 0};
+        const Tensor q = randn({2, 1, Hkv, E}, gen);
+        PagedAttentionOptions po{.need_lse = true, .num_threads = 1};
+        po.window_size = window;
+        const SdpaResult one = paged_attention(q, c, ids, po);
+        po.num_threads = 2;
+        const SdpaResult two = paged_attention(q, c, ids, po);
+        const std::string what = "page " + std::to_string(page_size) + " E " + std::to_string(E) + " window " +
+                                 std::to_string(window.left);
+        EXPECT_EQ(one.output.to_vector(), two.output.to_vector()) << what;
+        SdpaOptions so{.causal_alignment = CausalAlignment::kBottomRight, .need_lse = true};
+        so.window_size = window;
+        so.backend = SdpaBackend::kReference;
+        for (int64_t i = 0; i < 2; ++i) {
+          const int64_t id = ids[static_cast<size_t>(i)];
+          const Tensor qi = q.select(0, i).transpose(0, 1).unsqueeze(0).contiguous();
+          const Tensor k = keys[id].transpose(0, 1).unsqueeze(0).contiguous(), v = values[id].transpose(0, 1).unsqueeze(0).contiguous();
+          const reference::SdpaResultF64 truth = reference::scaled_dot_product_attention_f64(qi, k, v, so);
+          const double ref_err = test::max_abs_err(scaled_dot_product_attention(qi, k, v, so).output, truth.output);
+          const TensorView out_i = one.output.select(0, i).transpose(0, 1).unsqueeze(0);
+          EXPECT_LE(test::max_abs_err(out_i, truth.output), 2.0 * ref_err + 1e-6) << what << " seq " << id;
+          EXPECT_LE(test::max_abs_err(one.lse.select(0, i).unsqueeze(0), truth.lse), 1e-4) << what << " seq " << id;
+        }
+      }
+    }
+  }
+}
+
 // ---- variants -----------------------------------------------------------------------------------
 
 // Each variant (and pairs) equals scaled_dot_product_attention on the gathered keys and values
@@ -238,8 +290,11 @@ TEST(PagedAttentionVariants, EqualsDenseAttentionWithTheSameOptions) {
       {"sinks", {}, {}, 0, true},              {"window_sinks", {7, 0}, {}, 0, true},
       {"softcap_alibi", {}, 2.0, 2, false},    {"all", {12, 2}, 3.0, 1, true},
   };
+  // {4, 4, 64, 64, 1} and {2, 2, 128, 128, 1}: one row per kv head, whose windows start inside a
+  // page (the single-row path's steps, which never cross a page).
   const DecodeCase setups[] = {{8, 2, 32, 24, 3, true}, {4, 4, 16, 16, 1, false}, {4, 1, 16, 16, 16, true},
-                               {8, 2, 16, 16, 4, false, DType::kBFloat16}, {8, 2, 16, 16, 2, true, DType::kInt8}};
+                               {8, 2, 16, 16, 4, false, DType::kBFloat16}, {8, 2, 16, 16, 2, true, DType::kInt8},
+                               {4, 4, 64, 64, 1, true}, {2, 2, 128, 128, 1, false, DType::kBFloat16}};
   for (const DecodeCase& s : setups) {
     for (const PagedVariant& v : variants) {
       for (const std::string& kernel : decode_kernels()) {

@@ -24,8 +24,8 @@
 // so a query vector is loaded once per four tokens and 16 sums share one reduction (hsum16); with
 // R >= 16, rows in lanes (scores_lanes); with R < 4, token by token (key rows in memory order).
 // One query row per kv head (no GQA, L = 1) takes a straight-line copy of a step
-// (single_row_step), dense K/V addressed as base + u * stride, a paged cache's through the
-// step's row-address window. P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
+// (single_row_step), its rows addressed as base + u * stride: a paged cache's by steps that never
+// cross a page (decode_single_row_paged). P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
 // chunk's tokens, so the accumulators stay in registers and each value vector feeds 4 rows.
 // Four rows per kv head (GQA group 4, one new token) take a pipelined loop instead of
 // decode_step's phases: the next step's scores between this step's P.V tokens (decode_pipeline.hpp).
@@ -279,60 +279,84 @@ template <KvType T>
   }
 }
 
+// The order of an item's steps (a chunk of one head): by groups of `group` keys (whole pages, at
+// least a chunk), a group's chunks head after head: for a pool page of every head's rows that is
+// memory order. Groups start at j_begin, or with `aligned` at multiples of `group` (pages: no
+// step then crosses a page; the first and last groups are clipped to [j_begin, j_end)).
+struct StepOrder {
+  int64_t j_begin, j_end, group, heads;
+  bool aligned = false;
+  struct Pos {
+    int64_t h, c0, nk;  // nk = 0: past the last step
+  };
+  int64_t group_begin(int64_t c0) const {
+    if (aligned) return c0 / group * group > j_begin ? c0 / group * group : j_begin;
+    return j_begin + (c0 - j_begin) / group * group;
+  }
+  int64_t group_end(int64_t g0) const { return imin(j_end, aligned ? (g0 / group + 1) * group : g0 + group); }
+  Pos first() const { return {0, j_begin, imin(kDecodeChunk, group_end(j_begin) - j_begin)}; }
+  // This head's next chunk of the group, else the next head's first, else the next group's first
+  // head's.
+  Pos next(const Pos& s) const {
+    const int64_t g0 = group_begin(s.c0), g1 = group_end(g0);
+    if (s.c0 + kDecodeChunk < g1) return {s.h, s.c0 + kDecodeChunk, imin(kDecodeChunk, g1 - s.c0 - kDecodeChunk)};
+    if (s.h + 1 < heads) return {s.h + 1, g0, imin(kDecodeChunk, g1 - g0)};
+    if (g1 < j_end) return {0, g1, imin(kDecodeChunk, group_end(g1) - g1)};
+    return {0, j_end, 0};
+  }
+};
+
 // A single query row read in place, no GQA (one query row per kv head, R = 1: the decoding of a
 // model without GQA, L = 1): one step (a chunk of nk keys) of decode_step's loop in a straight
 // line, acc held in CV registers over the chunk's P.V. Scores, softmax and P.V in the same order
-// as decode_step's, so the same bits. `rows` gives the step's key and value rows u in [0, nk) and
-// the next step's in [nk, nk + next_n), which this step prefetches: DenseRows (base + u * stride)
-// or WindowRows (a paged cache's row addresses, gathered by chunk_rows). The general path cost
-// this case its speed: Zen 5, H 32/32, E 64, S 8192, float32, 2 threads, alternating call by call
-// with ggml on the same K/V (scripts/bench_ggml.sh part 3): ggml / attn 0.83-0.87x through
-// decode_step, 0.98-1.01x here; a copy of the general path with its pieces put back one at a time
-// lost 8-13 % to the score loop's prefetch_token (which looks up the row ahead in one of two
-// arrays, a branch per token) and ~8 % to pv_chunk. From a paged cache (WindowRows) it measured
-// no faster than decode_step: paged / contiguous stays 1.2-1.4 for H 32/32 float32 (Zen 5, E 64
-// and 128, S 8192, pages of 16 to 8192 tokens; 1.04 for H 32/8), a gap outside the loop: with
-// pages as long as the sequence (the dense layout) it was still 1.14. The driver's tasks take every
-// kv head of one 512-token range there, against the dense path's 4096-token range of one head;
-// ranges of 4096 tokens measured 1.26 instead of 1.36 (16-token pages) but leave 2 tasks for any
-// number of threads, and blocks of 8 heads per task 1.41: not kept.
+// as decode_step's, so the same bits for the same chunks. The step's rows are `cur`, the next
+// step's (next_n of them, which this step prefetches) `next`: each a base and a stride, so rows
+// never cross a page within a step. The general path cost this case its speed: Zen 5, H 32/32,
+// E 64, S 8192, float32, 2 threads, alternating call by call with ggml on the same K/V
+// (scripts/bench_ggml.sh part 3): ggml / attn 0.83-0.87x through decode_step, 0.98-1.01x here; a
+// copy of the general path with its pieces put back one at a time lost 8-13 % to the score
+// loop's prefetch_token (which looks up the row ahead in one of two arrays, a branch per token)
+// and ~8 % to pv_chunk. Row addresses from arrays (decode_split_t's krows, vrows, filled by
+// chunk_rows and shifted each step) instead of base + u * stride cost a paged cache 8-12 % more
+// (pages as long as the sequence, one kv head per task: the dense layout; 2.63-2.65 against
+// 2.83-3.06 ms, the dense call 2.63-2.66, alternating in one process), the gathering and shifting
+// ~3 % of it.
 struct DenseRows {
-  const char *k, *v;  // the step's first key and value rows
+  const char *k, *v;  // the first key and value rows
   int64_t k_stride, v_stride;
   const char* key(int64_t u) const { return k + u * k_stride; }
   const char* value(int64_t u) const { return v + u * v_stride; }
 };
-struct WindowRows {
-  const char* const* k;  // (nk + next_n): the step's row addresses, then the next step's
-  const char* const* v;
-  const char* key(int64_t u) const { return k[u]; }
-  const char* value(int64_t u) const { return v[u]; }
-};
 
-template <KvType T, int CV, typename Rows>
-[[gnu::always_inline]] inline void single_row_step(const DecodeParams& p, const DecodeItem& it, const Rows& rows,
-                                                   int64_t nk, int64_t next_n, float* st) {
+template <KvType T, int CV>
+[[gnu::always_inline]] inline void single_row_step(const DecodeParams& p, const DecodeItem& it, const DenseRows& cur,
+                                                   const DenseRows& next, int64_t nk, int64_t next_n, float* st) {
   const int64_t k_bytes = p.E * elem_size(T);
   constexpr int64_t kVBytes = CV * W * elem_size(T);
   const int64_t nkp = (nk + W - 1) / W * W;
   for (int64_t u = 0; u < nk; ++u) {
-    if (u + kPrefetchAhead < nk + next_n) prefetch_bytes(rows.key(u + kPrefetchAhead), k_bytes);
-    st[u] = dot_row<T>(it.q, rows.key(u), p.Ep) * p.scale_log2;
+    const int64_t a = u + kPrefetchAhead;
+    if (a < nk) {
+      prefetch_bytes(cur.key(a), k_bytes);
+    } else if (a < nk + next_n) {
+      prefetch_bytes(next.key(a - nk), k_bytes);
+    }
+    st[u] = dot_row<T>(it.q, cur.key(u), p.Ep) * p.scale_log2;
   }
   for (int64_t u = nk; u < nkp; ++u) st[u] = kNegInf;
   online_softmax_row(st, nkp, it.m[0], it.l[0], it.acc, p.Evp);
   // P.V, the next step's value rows prefetched as this one's are read (PvPrefetch's order).
   const bool guard = any_zero_weight(st, 0, 1, nk);  // a zero weight never multiplies a value
-  vf a[CV];
-  for (int c = 0; c < CV; ++c) a[c] = load(it.acc + c * W);
+  vf acc[CV];
+  for (int c = 0; c < CV; ++c) acc[c] = load(it.acc + c * W);
   for (int64_t u = 0; u < nk; ++u) {
-    if (u < next_n) prefetch_lines<kVBytes>(rows.value(nk + u));
+    if (u < next_n) prefetch_lines<kVBytes>(next.value(u));
     if (guard && st[u] == 0.0f) continue;
-    const char* row = rows.value(u);
+    const char* row = cur.value(u);
     const vf pb = splat(st[u]);
-    for (int c = 0; c < CV; ++c) a[c] += pb * load_as_float<T>(row, c * W);
+    for (int c = 0; c < CV; ++c) acc[c] += pb * load_as_float<T>(row, c * W);
   }
-  for (int c = 0; c < CV; ++c) store(it.acc + c * W, a[c]);
+  for (int c = 0; c < CV; ++c) store(it.acc + c * W, acc[c]);
 }
 
 // Dense K/V: the item's chunks in order.
@@ -340,33 +364,43 @@ template <KvType T, int CV>
 void decode_single_row(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, int64_t j_begin,
                        int64_t j_end, float* st) {
   const int64_t k_stride = kv.k_row * elem_size(T), v_stride = kv.v_row * elem_size(T);
+  auto rows = [&](int64_t c0) {
+    return DenseRows{static_cast<const char*>(kv.k) + c0 * k_stride, static_cast<const char*>(kv.v) + c0 * v_stride,
+                     k_stride, v_stride};
+  };
   for (int64_t c0 = j_begin; c0 < j_end; c0 += kDecodeChunk) {
     const int64_t nk = imin(kDecodeChunk, j_end - c0), next_n = imin(kDecodeChunk, j_end - c0 - nk);
-    const DenseRows rows{static_cast<const char*>(kv.k) + c0 * k_stride, static_cast<const char*>(kv.v) + c0 * v_stride,
-                         k_stride, v_stride};
-    single_row_step<T, CV>(p, it, rows, nk, next_n, st);
+    single_row_step<T, CV>(p, it, rows(c0), rows(c0 + nk), nk, next_n, st);
   }
 }
 
-// The order of an item's steps (a chunk of one head): by groups of `group` keys (whole pages, at
-// least a chunk), a group's chunks head after head: for a pool page of every head's rows that is
-// memory order.
-struct StepOrder {
-  int64_t j_begin, j_end, group, heads;
-  struct Pos {
-    int64_t h, c0, nk;  // nk = 0: past the last step
+// A paged cache's single rows: steps that never cross a page (pages clipped to [j_begin, j_end)),
+// a page's chunks head after head (the pool's memory order, as StepOrder's), each step's rows
+// from its page's base.
+template <KvType T, int CV>
+void decode_single_row_paged(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads,
+                             int64_t j_begin, int64_t j_end, float* st) {
+  const int64_t P = kvs[0].page_size;
+  const StepOrder order{j_begin, j_end, P, heads, true};
+  auto rows = [&](const StepOrder::Pos& s) {
+    const DecodeKv& kv = kvs[s.h];
+    const int64_t slot = s.c0 / P, r = s.c0 % P;
+    const int64_t page = kv.pages != nullptr ? kv.pages[slot] : slot;
+    const int64_t k_stride = kv.k_row * elem_size(T), v_stride = kv.v_row * elem_size(T);
+    return DenseRows{static_cast<const char*>(kv.k) + page * kv.k_page * elem_size(T) + r * k_stride,
+                     static_cast<const char*>(kv.v) + page * kv.v_page * elem_size(T) + r * v_stride, k_stride, v_stride};
   };
-  Pos first() const { return {0, j_begin, imin(kDecodeChunk, imin(j_begin + group, j_end) - j_begin)}; }
-  // This head's next chunk of the group, else the next head's first, else the next group's first
-  // head's.
-  Pos next(const Pos& s) const {
-    const int64_t g0 = j_begin + (s.c0 - j_begin) / group * group, g1 = imin(g0 + group, j_end);
-    if (s.c0 + kDecodeChunk < g1) return {s.h, s.c0 + kDecodeChunk, imin(kDecodeChunk, g1 - s.c0 - kDecodeChunk)};
-    if (s.h + 1 < heads) return {s.h + 1, g0, imin(kDecodeChunk, g1 - g0)};
-    if (g1 < j_end) return {0, g1, imin(kDecodeChunk, imin(g1 + group, j_end) - g1)};
-    return {0, j_end, 0};
+  StepOrder::Pos s = order.first();
+  DenseRows cur = rows(s);
+  while (s.nk > 0) {
+    const StepOrder::Pos s1 = order.next(s);
+    const DenseRows next = s1.nk > 0 ? rows(s1) : cur;
+    single_row_step<T, CV>(p, its[s.h], cur, next, s.nk, s1.nk, st);
+    s = s1, cur = next;
   }
-};
+}
+
+
 
 }  // namespace attn::cpu::ATTN_SIMD_NS
 
@@ -457,6 +491,14 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
       }
       return;
     }
+    if (single_row) {
+      if (p.Evp == 4 * W) {
+        decode_single_row_paged<T, 4>(p, kvs, its, heads, j_begin, j_end, st);
+      } else {
+        decode_single_row_paged<T, 8>(p, kvs, its, heads, j_begin, j_end, st);
+      }
+      return;
+    }
   }
   for (int64_t h = 0; h < heads; ++h) {
     const DecodeItem& it = its[h];
@@ -498,18 +540,9 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
       chunk_rows<T>(kvs[s1.h], false, s1.c0, next_n, krows + nk, kscales + nk);
       chunk_rows<T>(kvs[s1.h], true, s1.c0, next_n, vrows + nk, vscales + nk);
     }
-    if constexpr (W == 16 && T != KvType::kInt8) {
-      if (single_row && p.Evp == 4 * W) {
-        single_row_step<T, 4>(p, its[s.h], WindowRows{krows, vrows}, nk, next_n, st);
-      } else if (single_row) {
-        single_row_step<T, 8>(p, its[s.h], WindowRows{krows, vrows}, nk, next_n, st);
-      }
-    }
-    if (!single_row) {
-      const Step sp{qt_of(s.h), q2_of(s.h), krows, vrows, kscales, vscales, vrows + nk, s.c0, nk, next_n,
-                    s.c0 == j_begin && s.h == 0};
-      decode_step<T>(p, kvs[s.h], its[s.h], x, sp);
-    }
+    const Step sp{qt_of(s.h), q2_of(s.h), krows, vrows, kscales, vscales, vrows + nk, s.c0, nk, next_n,
+                  s.c0 == j_begin && s.h == 0};
+    decode_step<T>(p, kvs[s.h], its[s.h], x, sp);
     // The next step's rows become the step's.
     std::copy_n(krows + nk, next_n, krows);
     std::copy_n(vrows + nk, next_n, vrows);
