@@ -16,7 +16,7 @@
 # Reproduce a finding:  build-fuzz/<target> build-fuzz/artifacts/<target>-crash-<hash>
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-all_targets=(fuzz_fixture_parser fuzz_sdpa fuzz_tensor_views fuzz_safetensors)
+all_targets=(fuzz_fixture_parser fuzz_sdpa fuzz_tensor_views fuzz_safetensors fuzz_paged_attention)
 
 time_s=60
 keep_corpus=0

@@ -109,3 +109,42 @@ write("fuzz_sdpa", "variants_16bit", sdpa(value_seed=40, window=(6, 0), softcap=
                                           mask=1, flags=LSE))
 for kind in range(17):
     write("fuzz_sdpa", f"invalid_{kind:02d}", sdpa(invalid=kind, invalid_arg=(kind * 37 + 1) % 256, mask=2))
+
+# ---- fuzz_paged_attention: see LLVMFuzzerTestOneInput in fuzz_paged_attention.cpp ----------------
+# Cache: page (index into 1, 2, 3, 8, 16, 17, 64, 96), kv heads - 1, head dim (index into 4, 16,
+# 33, 64, 80, 128), same value dim (1) or not (0, then its index), dtype (f32, bf16, f16, int8),
+# pages - 1, a u32 seed. Ops: count, then (kind: 0 add, 1 append, 2 free; id; for append: tokens
+# - 1). Call: N - 1, L_q - 1, group (index into 1, 2, 4, 8), per sequence (id; when some id is
+# live: 0 keeps that id, else a live one by the next byte), query dtype, is_causal, window (index
+# into none, (5, 0), (0, 0), (300, 0), (17, 3), (-1, 2), (40, -1)), softcap (none, 1.5, 30), ALiBi
+# (0, or 1 then (H_q) 1 / (N, H_q) 0 and a byte per slope), sinks, kernel (index; past the list:
+# the default).
+def paged(page, heads, dim, vdim, dtype, pages, ops, N, L, group, seqs, qd=0, causal=0, window=0,
+          softcap=0, alibi=(), sinks=0, kernel=255):
+    head = b(page, heads, dim, 1 if vdim is None else 0) + (b(vdim) if vdim is not None else b())
+    head += b(dtype, pages) + struct.pack("<I", 0x5EED0000 + page * 7 + dim)
+    body = b(len(ops)) + b(*[x for op in ops for x in op])
+    call = b(N, L, group) + b(*[x for s in seqs for x in s]) + b(qd, causal, window, softcap)
+    call += b(*alibi) if alibi else b(0)
+    return head + body + call + b(sinks, kernel)
+
+ADD0, ADD1 = (0, 0), (0, 0)
+write("fuzz_paged_attention", "single_row_pages16",
+      paged(4, 1, 3, None, 0, 63, [ADD0, (1, 0, 39), (1, 0, 39), (1, 0, 39)], 0, 0, 0, [(0, 1, 0)], causal=1))
+write("fuzz_paged_attention", "single_row_window_page96",
+      paged(7, 0, 5, None, 1, 20, [ADD0, (1, 0, 39), (1, 0, 39), (1, 0, 39), (1, 0, 22)], 0, 0, 0, [(0, 1, 0)],
+            window=4))
+write("fuzz_paged_attention", "gqa_two_sequences_bf16",
+      paged(5, 1, 5, None, 1, 63, [ADD0, ADD1, (1, 0, 39), (1, 1, 39), (1, 0, 39), (2, 1), (0, 0), (1, 2, 20)],
+            1, 3, 2, [(0, 1, 0), (2, 1, 1)], qd=1, causal=1, window=3))
+write("fuzz_paged_attention", "int8_variants_value_dim",
+      paged(3, 2, 4, 2, 3, 30, [ADD0, (1, 0, 30), (1, 0, 30)], 0, 1, 1, [(0, 1, 0)], qd=2, window=5, softcap=1,
+            alibi=(1, 0, 3, 9, 27, 81, 5, 6), sinks=1))
+write("fuzz_paged_attention", "f16_many_rows",
+      paged(6, 0, 1, None, 2, 10, [ADD0, (1, 0, 39), (1, 0, 39)], 2, 3, 3, [(0, 1, 0), (0, 1, 0), (0, 1, 0)],
+            causal=1, kernel=1))
+write("fuzz_paged_attention", "bad_ids_and_full_pool",
+      paged(0, 0, 0, None, 0, 4, [(1, 3, 5), (2, 7), ADD0, (1, 0, 3), (1, 0, 39), (2, 0), (2, 0), (1, 0, 1)],
+            0, 0, 0, [(1,)]))
+write("fuzz_paged_attention", "too_few_tokens",
+      paged(2, 0, 1, None, 0, 8, [ADD0, (1, 0, 1)], 0, 3, 0, [(0, 1, 0)]))
