@@ -400,8 +400,6 @@ void decode_single_row_paged(const DecodeParams& p, const DecodeKv* kvs, const D
   }
 }
 
-
-
 }  // namespace attn::cpu::ATTN_SIMD_NS
 
 #include "sdpa/cpu/decode_pipeline.hpp"
