@@ -16,14 +16,25 @@
 // Measured alternating call by call with decode_step in one process (S 8192, rotating copies of
 // K/V larger than the LLC, medians of 120 pairs, 2 threads), time ratios: float32 E 128 0.87-0.90,
 // E 64 0.88-0.96, one thread E 128 0.91; bf16 and f16 K/V E 128 0.93 and 0.95 with their scores four
-// tokens at a time (score4: a query vector loaded once for four keys; token by token they were
-// 1.2x slower, the 16-bit rows' arithmetic being twice float32's per byte), but E 64 1.12 and 1.17
-// (left to decode_step). Other groups measured slower token by token (8 rows 1.09, 2 rows 1.03) and
-// stay on decode_step. score() and score4() are kept out of line: inlined into the P.V tiles,
-// float32 E 128 measured 0.96 (in other runs than the figures above).
-// The arithmetic and its order are decode_step's (scores_token gives the bits scores_tokens4
-// does), so the results are the same bits (compared against decode_step's on 10 shapes, float32
-// and 16-bit, windows included). The cost: a second (R, kDecodeChunk) score buffer.
+// tokens at a time (a query vector loaded once for four keys), but E 64 1.12 and 1.17 (left to
+// decode_step). Other groups measured slower token by token (8 rows 1.09, 2 rows 1.03) and stay on
+// decode_step.
+// How a key row is scored (ScoreFeed::score): a call out of line costs a spill and reload of the
+// P.V tile's 16 accumulators around it; inline, the tile's 16 and the score's 4 accumulators fit
+// the 32 registers. Inline and token by token, against four tokens per call, alternating in one
+// process on Zen 5 (H_q 32, H_kv 8, E 128, S 8192, 2 threads, 40 pairs per run, ~300 runs, the
+// host's read probe moving between ~40 and ~77 GB/s; most runs' medians): bf16 0.96-0.98 at a
+// probe under 51 GB/s, 0.90-0.93 over 54; f16 0.93-0.96 and 0.83-0.86 (one thread, K/V in the
+// LLC: bf16 0.79). So 16-bit rows are scored inline (kScoreInline). Float32 stays out of line:
+// inline it was 0.67 with K/V in the LLC and 0.95-0.99 at a fast probe, but 1.02-1.08 at a slow
+// one; four tokens per call likewise (0.71-0.75 in the LLC, 0.92-0.96 fast, 1.08-1.10 slow, with
+// or without L1 prefetches of the keys, with 16-48 rows of prefetch lead). The cause of the slow
+// probe's loss is not found. 16-bit E 64 stays on decode_step (pipelined and inline, 1.20-1.24x
+// there with K/V in the LLC).
+// The arithmetic and its order are decode_step's (dot_rows4 gives the bits scores_tokens4 does),
+// so the results are the same bits (compared against decode_step's on 10 shapes, float32 and
+// 16-bit, windows included; and byte for byte against the four-token form on 3264 decode calls).
+// The cost: a second (R, kDecodeChunk) score buffer.
 //
 // Rows: kwin holds the row addresses of the next step's keys, then those of the step after it
 // (the prefetch reads kPrefetchAhead rows ahead of the scoring across the two); vrows[v] the
@@ -32,44 +43,45 @@
 
 namespace attn::cpu::ATTN_SIMD_NS {
 
-// Scores the next step's key rows into st, one (or with by4 four) every `every` calls; rest()
-// scores those left when the P.V is done.
+// Whether ScoreFeed scores a key row inline (16-bit rows) or in a call (float32): see above.
+template <KvType T>
+constexpr bool kScoreInline = T != KvType::kFloat32;
+
+// Scores the next step's key rows into st, one every `every` calls; rest() scores those left
+// when the P.V is done. The rows are the item's four (R = 4: dot_rows4).
 template <KvType T>
 struct ScoreFeed {
-  const float* q;  // (R, Ep) the next step's head's query rows
-  int64_t R, Ep;
+  const float* q;  // (4, Ep) the next step's head's query rows
+  int64_t Ep;
   const char* const* kr;  // n rows to score, then more (n_ahead in all) to prefetch
   int64_t n, n_ahead, k_bytes;
   float scale;
   float* st;
   int64_t every, countdown;
-  bool by4 = false;
   int64_t t = 0;
 
-  [[gnu::noinline]] void score() {
+  [[gnu::always_inline]] void score_here() {
     prefetch_key_ahead(kr, n_ahead, t, k_bytes);
-    scores_token<T>(q, R, Ep, kr[t], scale, st + t);
+    float d[4];
+    dot_rows4<T>(q, Ep, kr[t], d);
+    for (int r = 0; r < 4; ++r) st[r * kDecodeChunk + t] = d[r] * scale;
     ++t;
   }
-  // Four key rows at once (a query vector loaded once for the four): scores_tokens4.
-  [[gnu::noinline]] void score4() {
-    for (int64_t i = 0; i < 4; ++i) prefetch_key_ahead(kr, n_ahead, t + i, k_bytes);
-    const float s4[4] = {scale, scale, scale, scale};
-    scores_tokens4<T>(q, R, Ep, reinterpret_cast<const void* const*>(kr + t), s4, st + t);
-    t += 4;
+  [[gnu::noinline]] void score_call() { score_here(); }
+  [[gnu::always_inline]] void score() {
+    if constexpr (kScoreInline<T>) {
+      score_here();
+    } else {
+      score_call();
+    }
   }
   [[gnu::always_inline]] void operator()() {
     if (--countdown == 0) {
       countdown = every;
-      if (by4 && t + 4 <= n) {
-        score4();
-      } else if (t < n) {
-        score();
-      }
+      if (t < n) score();
     }
   }
   void rest() {
-    while (by4 && t + 4 <= n) score4();
     while (t < n) score();
   }
 };
@@ -109,9 +121,8 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
 
   for (int v = 0;; v = 1 - v) {
     // Step s: its P.V, the scores of s1 fed in between its tokens.
-    ScoreFeed<T> feed{its[s1.h].q, R, p.Ep, kwin, s1.nk, s1.nk + s2.nk, k_bytes, p.scale_log2, nxt, 1, 1};
-    feed.by4 = T != KvType::kFloat32;
-    if (s1.nk > 0) feed.every = feed.countdown = std::max<int64_t>(1, s.nk * tiles / (feed.by4 ? (s1.nk + 3) / 4 : s1.nk));
+    ScoreFeed<T> feed{its[s1.h].q, p.Ep, kwin, s1.nk, s1.nk + s2.nk, k_bytes, p.scale_log2, nxt, 1, 1};
+    if (s1.nk > 0) feed.every = feed.countdown = std::max<int64_t>(1, s.nk * tiles / s1.nk);
     const PvPrefetch pf{vrows[1 - v], s1.nk, true};
     const auto* vr = reinterpret_cast<const void* const*>(vrows[v]);
     if (permuted_v) {

@@ -58,6 +58,9 @@ std::vector<Case> decode_sweep() {
   // Four rows per kv head (group 4, one query): the pipelined steps (decode_pipeline.hpp), whose
   // scores of a chunk are computed during the last chunk's P.V, over 21 chunks and every mask.
   for (MaskKind m : masks) cases.push_back({1, 8, 2, 1, 1300, 64, 64, m, 0.0f});
+  // The same from E 128, where 16-bit caches take the pipelined steps too (their scores inline).
+  cases.push_back({1, 8, 2, 1, 1300, 128, 128, MaskKind::kNone, 0.0f});
+  cases.push_back({1, 8, 2, 1, 1300, 128, 128, MaskKind::kCausalBottomRight, 0.0f});
   // Six rows per kv head (group 3, two queries): AVX-512's scores by four rows and four tokens,
   // with two rows and (333 = 5 chunks + 13) one token left over, keys in place and widened.
   cases.push_back({1, 6, 2, 2, 333, 128, 128, MaskKind::kNone, 0.0f});
