@@ -382,13 +382,10 @@ void decode_single_row_paged(const DecodeParams& p, const DecodeKv* kvs, const D
                              int64_t j_begin, int64_t j_end, float* st) {
   const int64_t P = kvs[0].page_size;
   const StepOrder order{j_begin, j_end, P, heads, true};
-  auto rows = [&](const StepOrder::Pos& s) {
+  auto rows = [&](const StepOrder::Pos& s) {  // a step never crosses a page: its rows are evenly spaced
     const DecodeKv& kv = kvs[s.h];
-    const int64_t slot = s.c0 / P, r = s.c0 % P;
-    const int64_t page = kv.pages != nullptr ? kv.pages[slot] : slot;
-    const int64_t k_stride = kv.k_row * elem_size(T), v_stride = kv.v_row * elem_size(T);
-    return DenseRows{static_cast<const char*>(kv.k) + page * kv.k_page * elem_size(T) + r * k_stride,
-                     static_cast<const char*>(kv.v) + page * kv.v_page * elem_size(T) + r * v_stride, k_stride, v_stride};
+    return DenseRows{row_address<T>(kv, false, s.c0), row_address<T>(kv, true, s.c0), kv.k_row * elem_size(T),
+                     kv.v_row * elem_size(T)};
   };
   StepOrder::Pos s = order.first();
   DenseRows cur = rows(s);

@@ -215,24 +215,36 @@ constexpr int64_t elem_size(KvType t) {
   return t == KvType::kFloat32 ? 4 : t == KvType::kInt8 ? 1 : 2;
 }
 
+// The pool's page that holds token j.
+inline int64_t page_of(const DecodeKv& kv, int64_t j) {
+  const int64_t slot = j / kv.page_size;
+  return kv.pages != nullptr ? kv.pages[slot] : slot;
+}
+
+// The address of token j's key row (or with `values`, its value row), through the pages.
+template <KvType T>
+inline const char* row_address(const DecodeKv& kv, bool values, int64_t j) {
+  const char* base = static_cast<const char*>(values ? kv.v : kv.k);
+  const int64_t page_elems = values ? kv.v_page : kv.k_page, row_elems = values ? kv.v_row : kv.k_row;
+  return base + (page_of(kv, j) * page_elems + j % kv.page_size * row_elems) * elem_size(T);
+}
+
 // The chunk's row addresses: rows[u] (and for int8 scales[u], the row's scale; float caches
 // leave scales alone) of tokens j0 + u, u in [0, n), walking the pages with one division per
 // page run.
 template <KvType T>
 inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, const char** rows,
                        float* scales) {
-  const char* base = static_cast<const char*>(values ? kv.v : kv.k);
-  const int64_t page_stride = values ? kv.v_page : kv.k_page;
   const int64_t row_bytes = (values ? kv.v_row : kv.k_row) * elem_size(T);
   const float* sc = values ? kv.v_scale : kv.k_scale;
   int64_t u = 0;
   while (u < n) {
-    const int64_t j = j0 + u, slot = j / kv.page_size, r0 = j % kv.page_size;
-    const int64_t page = kv.pages != nullptr ? kv.pages[slot] : slot;
+    const int64_t j = j0 + u, r0 = j % kv.page_size;
     const int64_t run = imin(n - u, kv.page_size - r0);
-    const char* row = base + page * page_stride * elem_size(T) + r0 * row_bytes;
+    const char* row = row_address<T>(kv, values, j);
     for (int64_t t = 0; t < run; ++t) rows[u + t] = row + t * row_bytes;
     if (T == KvType::kInt8) {
+      const int64_t page = page_of(kv, j);
       for (int64_t t = 0; t < run; ++t) scales[u + t] = sc[page * kv.scale_page + r0 + t];
     }
     u += run;
