@@ -230,8 +230,8 @@ inline const char* row_address(const DecodeKv& kv, bool values, int64_t j) {
 }
 
 // The chunk's row addresses: rows[u] (and for int8 scales[u], the row's scale; float caches
-// leave scales alone) of tokens j0 + u, u in [0, n), walking the pages with one division per
-// page run.
+// leave scales alone) of tokens j0 + u, u in [0, n), walking the pages one run of a page at a
+// time (row_address for the run's first row, then the row stride).
 template <KvType T>
 inline void chunk_rows(const DecodeKv& kv, bool values, int64_t j0, int64_t n, const char** rows,
                        float* scales) {
