@@ -201,6 +201,19 @@ inline void pv_rows_permuted(const float* st, const void* const* vrows, int64_t 
   }
 }
 
+// The CV vectors of a bf16 value row (16 CV elements) in the permuted order, as pv_tile_widened
+// widens them: vpunpck{l,h}wd against zero per 32 elements.
+template <int CV>
+[[gnu::always_inline]] inline void widen_permuted(const void* row, vf (&v)[CV]) {
+  static_assert(CV % 2 == 0, "whole 32-element blocks");
+  const __m512i z = _mm512_setzero_si512();
+  for (int b = 0; b < CV / 2; ++b) {
+    const __m512i w = _mm512_loadu_si512(static_cast<const uint16_t*>(row) + 32 * b);
+    v[2 * b] = to_vf(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w)));
+    v[2 * b + 1] = to_vf(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w)));
+  }
+}
+
 // P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32), hook() after each
 // token of each tile.
 template <typename Hook = const NoHook>
@@ -234,6 +247,9 @@ template <typename Hook = const NoHook>
 inline void pv_chunk_permuted(const float*, const void* const*, int64_t, int64_t, int64_t, float*, PvPrefetch,
                               Hook& = NoHook{}) {}
 inline void unpermute_rows(float*, int64_t, int64_t) {}
+inline float dot_row_bf16(const uint32_t*, const void*, int64_t) { return 0.0f; }
+template <int CV>
+inline void widen_permuted(const void*, vf (&)[CV]) {}
 #endif
 
 }  // namespace attn::cpu::ATTN_SIMD_NS

@@ -320,7 +320,12 @@ struct StepOrder {
 // chunk_rows and shifted each step) instead of base + u * stride cost a paged cache 8-12 % more
 // (pages as long as the sequence, one kv head per task: the dense layout; 2.63-2.65 against
 // 2.83-3.06 ms, the dense call 2.63-2.66, alternating in one process), the gathering and shifting
-// ~3 % of it.
+// ~3 % of it. bf16 queries and cache in the AVX512-BF16 build (vdpbf16ps scores, the permuted
+// P.V) and float32 queries against a bf16 cache took the general path too, until: Zen 5, H 32/32,
+// S 8192, 2 threads, alternating call by call with it in one process (40-60 pairs a run), time
+// ratios at a read probe of ~48 / ~82 GB/s: bf16 queries E 64 0.93-0.96 / 0.78, E 128 0.78-0.82 /
+// 0.72, float32 queries E 64 0.86-0.92; K/V in the cache (S 1024) 0.76-0.81; pages of 16 and 64
+// tokens 0.72-0.88 (paged / contiguous 0.91-1.05, from 1.11-1.31).
 struct DenseRows {
   const char *k, *v;  // the first key and value rows
   int64_t k_stride, v_stride;
@@ -328,9 +333,16 @@ struct DenseRows {
   const char* value(int64_t u) const { return v + u * v_stride; }
 };
 
-template <KvType T, int CV>
-[[gnu::always_inline]] inline void single_row_step(const DecodeParams& p, const DecodeItem& it, const DenseRows& cur,
-                                                   const DenseRows& next, int64_t nk, int64_t next_n, float* st) {
+// The single row's query: float32 (it.q), or with kDot its bf16 pairs (q2) for vdpbf16ps.
+// Values: bf16 ones in the AVX512-BF16 build are widened in decode_bf16_dot.hpp's permuted
+// order (kPermutedV), as the general path's P.V does; the caller unpermutes acc at the end.
+template <KvType T>
+constexpr bool kPermutedV = kBf16Dot && T == KvType::kBFloat16;
+
+template <KvType T, int CV, bool kDot>
+[[gnu::always_inline]] inline void single_row_step(const DecodeParams& p, const DecodeItem& it, const uint32_t* q2,
+                                                   const DenseRows& cur, const DenseRows& next, int64_t nk,
+                                                   int64_t next_n, float* st) {
   const int64_t k_bytes = p.E * elem_size(T);
   constexpr int64_t kVBytes = CV * W * elem_size(T);
   const int64_t nkp = (nk + W - 1) / W * W;
@@ -341,7 +353,11 @@ template <KvType T, int CV>
     } else if (a < nk + next_n) {
       prefetch_bytes(next.key(a - nk), k_bytes);
     }
-    st[u] = dot_row<T>(it.q, cur.key(u), p.Ep) * p.scale_log2;
+    if constexpr (kDot) {
+      st[u] = dot_row_bf16(q2, cur.key(u), p.E) * p.scale_log2;
+    } else {
+      st[u] = dot_row<T>(it.q, cur.key(u), p.Ep) * p.scale_log2;
+    }
   }
   for (int64_t u = nk; u < nkp; ++u) st[u] = kNegInf;
   online_softmax_row(st, nkp, it.m[0], it.l[0], it.acc, p.Evp);
@@ -354,15 +370,21 @@ template <KvType T, int CV>
     if (guard && st[u] == 0.0f) continue;
     const char* row = cur.value(u);
     const vf pb = splat(st[u]);
-    for (int c = 0; c < CV; ++c) acc[c] += pb * load_as_float<T>(row, c * W);
+    if constexpr (kPermutedV<T>) {
+      vf v[CV];
+      widen_permuted<CV>(row, v);
+      for (int c = 0; c < CV; ++c) acc[c] += pb * v[c];
+    } else {
+      for (int c = 0; c < CV; ++c) acc[c] += pb * load_as_float<T>(row, c * W);
+    }
   }
   for (int c = 0; c < CV; ++c) store(it.acc + c * W, acc[c]);
 }
 
 // Dense K/V: the item's chunks in order.
-template <KvType T, int CV>
-void decode_single_row(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, int64_t j_begin,
-                       int64_t j_end, float* st) {
+template <KvType T, int CV, bool kDot>
+void decode_single_row(const DecodeParams& p, const DecodeKv& kv, const DecodeItem& it, const uint32_t* q2,
+                       int64_t j_begin, int64_t j_end, float* st) {
   const int64_t k_stride = kv.k_row * elem_size(T), v_stride = kv.v_row * elem_size(T);
   auto rows = [&](int64_t c0) {
     return DenseRows{static_cast<const char*>(kv.k) + c0 * k_stride, static_cast<const char*>(kv.v) + c0 * v_stride,
@@ -370,16 +392,16 @@ void decode_single_row(const DecodeParams& p, const DecodeKv& kv, const DecodeIt
   };
   for (int64_t c0 = j_begin; c0 < j_end; c0 += kDecodeChunk) {
     const int64_t nk = imin(kDecodeChunk, j_end - c0), next_n = imin(kDecodeChunk, j_end - c0 - nk);
-    single_row_step<T, CV>(p, it, rows(c0), rows(c0 + nk), nk, next_n, st);
+    single_row_step<T, CV, kDot>(p, it, q2, rows(c0), rows(c0 + nk), nk, next_n, st);
   }
 }
 
 // A paged cache's single rows: steps that never cross a page (pages clipped to [j_begin, j_end)),
 // a page's chunks head after head (the pool's memory order, as StepOrder's), each step's rows
 // from its page's base.
-template <KvType T, int CV>
-void decode_single_row_paged(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads,
-                             int64_t j_begin, int64_t j_end, float* st) {
+template <KvType T, int CV, bool kDot, typename Q2>
+void decode_single_row_paged(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, Q2 q2_of,
+                             int64_t heads, int64_t j_begin, int64_t j_end, float* st) {
   const int64_t P = kvs[0].page_size;
   const StepOrder order{j_begin, j_end, P, heads, true};
   auto rows = [&](const StepOrder::Pos& s) {  // a step never crosses a page: its rows are evenly spaced
@@ -392,7 +414,7 @@ void decode_single_row_paged(const DecodeParams& p, const DecodeKv* kvs, const D
   while (s.nk > 0) {
     const StepOrder::Pos s1 = order.next(s);
     const DenseRows next = s1.nk > 0 ? rows(s1) : cur;
-    single_row_step<T, CV>(p, its[s.h], cur, next, s.nk, s1.nk, st);
+    single_row_step<T, CV, kDot>(p, its[s.h], q2_of(s.h), cur, next, s.nk, s1.nk, st);
     s = s1, cur = next;
   }
 }
@@ -473,24 +495,41 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
     }
   }
   if (j_begin >= j_end) return;
-  // One query row per head, read in place, no variant on the scores: single_row_step.
-  bool single_row = W == 16 && T != KvType::kInt8 && it0.R == 1 && k_in_place && v_in_place && !modify && !dot_k &&
-                    !permuted_v && (p.Evp == 4 * W || p.Evp == 8 * W);
+  // One query row per head, read in place, no variant on the scores: single_row_step. (Ev 64 or
+  // 128 is a whole number of 32-element blocks, so permuted_v is kPermutedV<T> there.)
+  bool single_row = W == 16 && T != KvType::kInt8 && it0.R == 1 && k_in_place && v_in_place && !modify &&
+                    (p.Evp == 4 * W || p.Evp == 8 * W) && permuted_v == kPermutedV<T>;
   for (int64_t h = 0; h < heads; ++h) single_row = single_row && its[h].mask[0] == nullptr;
   if constexpr (W == 16 && T != KvType::kInt8) {
-    if (single_row && heads == 1 && kv0.pages == nullptr) {
-      if (p.Evp == 4 * W) {
-        decode_single_row<T, 4>(p, kv0, it0, j_begin, j_end, st);
-      } else {
-        decode_single_row<T, 8>(p, kv0, it0, j_begin, j_end, st);
-      }
-      return;
-    }
     if (single_row) {
-      if (p.Evp == 4 * W) {
-        decode_single_row_paged<T, 4>(p, kvs, its, heads, j_begin, j_end, st);
+      if (dot_k) {
+        for (int64_t h = 0; h < heads; ++h) pack_query_pairs(its[h].q, 1, p.Ep, q2_of(h));
+      }
+      auto run = [&]<int CV, bool kDot>() {
+        if (heads == 1 && kv0.pages == nullptr) {
+          decode_single_row<T, CV, kDot>(p, kv0, it0, q2_of(0), j_begin, j_end, st);
+        } else {
+          decode_single_row_paged<T, CV, kDot>(p, kvs, its, q2_of, heads, j_begin, j_end, st);
+        }
+      };
+      auto by_cv = [&]<bool kDot>() {
+        if (p.Evp == 4 * W) {
+          run.template operator()<4, kDot>();
+        } else {
+          run.template operator()<8, kDot>();
+        }
+      };
+      if constexpr (kDotType) {
+        if (dot_k) {
+          by_cv.template operator()<true>();
+        } else {
+          by_cv.template operator()<false>();
+        }
       } else {
-        decode_single_row_paged<T, 8>(p, kvs, its, heads, j_begin, j_end, st);
+        by_cv.template operator()<false>();
+      }
+      if constexpr (kPermutedV<T>) {
+        for (int64_t h = 0; h < heads; ++h) unpermute_rows(its[h].acc, 1, p.Evp);
       }
       return;
     }

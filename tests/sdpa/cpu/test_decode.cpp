@@ -61,6 +61,10 @@ std::vector<Case> decode_sweep() {
   // The same from E 128, where 16-bit caches take the pipelined steps too (their scores inline).
   cases.push_back({1, 8, 2, 1, 1300, 128, 128, MaskKind::kNone, 0.0f});
   cases.push_back({1, 8, 2, 1, 1300, 128, 128, MaskKind::kCausalBottomRight, 0.0f});
+  // One row per kv head (no GQA, one query): single_row_step's straight line, E 64 and 128 (bf16
+  // on the dot unit with its permuted P.V in the AVX512-BF16 build), over 21 chunks.
+  cases.push_back({1, 2, 2, 1, 1300, 64, 64, MaskKind::kNone, 0.0f});
+  cases.push_back({1, 2, 2, 1, 1300, 128, 128, MaskKind::kCausalBottomRight, 0.0f});
   // Six rows per kv head (group 3, two queries): AVX-512's scores by four rows and four tokens,
   // with two rows and (333 = 5 chunks + 13) one token left over, keys in place and widened.
   cases.push_back({1, 6, 2, 2, 333, 128, 128, MaskKind::kNone, 0.0f});
