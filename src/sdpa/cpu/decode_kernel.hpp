@@ -556,7 +556,7 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   // Four rows read in place (GQA group 4, one new token): the next step's scores during this
   // one's P.V (decode_pipeline.hpp); 16-bit rows only from E 128 (E 64 measured slower).
   if constexpr (W == 16 && T != KvType::kInt8) {
-    if (it0.R == 4 && k_in_place && v_in_place && !dot_k && (T == KvType::kFloat32 || p.Evp >= 128)) {
+    if (it0.R == kPipelinedRows && k_in_place && v_in_place && !dot_k && (T == KvType::kFloat32 || p.Evp >= 128)) {
       decode_pipelined<T>(p, kvs, its, order, modify, permuted_v, st, kchunk);  // kchunk: unused by these rows
       if (permuted_v) {
         for (int64_t h = 0; h < heads; ++h) unpermute_rows(its[h].acc, its[h].R, p.Evp);

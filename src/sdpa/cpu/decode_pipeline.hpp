@@ -43,14 +43,19 @@
 
 namespace attn::cpu::ATTN_SIMD_NS {
 
+// The rows of an item this loop takes (decode_split_t tests it0.R against it): ScoreFeed scores
+// them with dot_rows4.
+constexpr int64_t kPipelinedRows = 4;
+
 // Whether ScoreFeed scores a key row inline (16-bit rows) or in a call (float32): see above.
 template <KvType T>
 constexpr bool kScoreInline = T != KvType::kFloat32;
 
 // Scores the next step's key rows into st, one every `every` calls; rest() scores those left
-// when the P.V is done. The rows are the item's four (R = 4: dot_rows4).
+// when the P.V is done. The rows are the item's kPipelinedRows (dot_rows4).
 template <KvType T>
 struct ScoreFeed {
+  static_assert(kPipelinedRows == 4, "dot_rows4 scores four rows");
   const float* q;  // (4, Ep) the next step's head's query rows
   int64_t Ep;
   const char* const* kr;  // n rows to score, then more (n_ahead in all) to prefetch
@@ -93,7 +98,8 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
   const char* kwin[2 * kDecodeChunk];
   const char* vrows[2][kDecodeChunk];
   float no_scales[kDecodeChunk];  // chunk_rows leaves them alone for float caches
-  const int64_t R = its[0].R, k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
+  constexpr int64_t R = kPipelinedRows;
+  const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
   const int64_t tiles = pv_tile_count<T>(R, p.Evp);
   auto keys = [&](const StepOrder::Pos& s, const char** out) {
     if (s.nk > 0) chunk_rows<T>(kvs[s.h], false, s.c0, s.nk, out, no_scales);
