@@ -144,6 +144,19 @@ inline void dot_scores_token(const uint32_t* q2, int64_t words, int64_t R, int64
   for (; r < R; ++r) st[r * kDecodeChunk] = dot_row_bf16(q2 + r * words, k, E) * s;
 }
 
+// NB blocks of 32 bf16 values from x as 2 NB float32 vectors in the permuted order (the one
+// permutation the accumulators carry until unpermute_rows): per block, vpunpck{l,h}wd against
+// zero put each value in the high half of a float32 lane, no shift or permute needed.
+template <int NB>
+[[gnu::always_inline]] inline void widen_blocks_permuted(const uint16_t* x, __m512 (&v)[2 * NB]) {
+  const __m512i z = _mm512_setzero_si512();
+  for (int b = 0; b < NB; ++b) {
+    const __m512i w = _mm512_loadu_si512(x + 32 * b);
+    v[2 * b] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w));
+    v[2 * b + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w));
+  }
+}
+
 // acc's permuted blocks [c0, c0 + 32 NB) += P[rows] . V over the chunk's tokens: float32 weights
 // and FMAs, each bf16 value row widened into the permuted order. With kGuard a zero weight is
 // skipped, never multiplied.
@@ -154,17 +167,11 @@ inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t n
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < 2 * NB; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * Evp + c0 + 16 * c);
   }
-  const __m512i z = _mm512_setzero_si512();
   for (int64_t u = 0; u < nk; ++u) {
     if (u < pf.n) prefetch_lines<64 * NB>(pf.rows[u] + 2 * c0);
     if (pf.l1 && u + kL1Ahead < nk) prefetch_lines<64 * NB, 3>(static_cast<const uint16_t*>(vrows[u + kL1Ahead]) + c0);
     __m512 v[2 * NB];
-    const auto* x = static_cast<const uint16_t*>(vrows[u]) + c0;
-    for (int b = 0; b < NB; ++b) {
-      const __m512i w = _mm512_loadu_si512(x + 32 * b);
-      v[2 * b] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w));
-      v[2 * b + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w));
-    }
+    widen_blocks_permuted<NB>(static_cast<const uint16_t*>(vrows[u]) + c0, v);
     for (int r = 0; r < RT; ++r) {
       const float pr = st[(r0 + r) * kDecodeChunk + u];
       if constexpr (kGuard) {
@@ -201,17 +208,14 @@ inline void pv_rows_permuted(const float* st, const void* const* vrows, int64_t 
   }
 }
 
-// The CV vectors of a bf16 value row (16 CV elements) in the permuted order, as pv_tile_widened
-// widens them: vpunpck{l,h}wd against zero per 32 elements.
+// The CV vectors of a bf16 value row (16 CV elements) in the permuted order, as the P.V tiles
+// widen them (single_row_step's form, on vf).
 template <int CV>
 [[gnu::always_inline]] inline void widen_permuted(const void* row, vf (&v)[CV]) {
   static_assert(CV % 2 == 0, "whole 32-element blocks");
-  const __m512i z = _mm512_setzero_si512();
-  for (int b = 0; b < CV / 2; ++b) {
-    const __m512i w = _mm512_loadu_si512(static_cast<const uint16_t*>(row) + 32 * b);
-    v[2 * b] = to_vf(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w)));
-    v[2 * b + 1] = to_vf(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w)));
-  }
+  __m512 w[CV];
+  widen_blocks_permuted<CV / 2>(static_cast<const uint16_t*>(row), w);
+  for (int c = 0; c < CV; ++c) v[c] = to_vf(w[c]);
 }
 
 // P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32), hook() after each
