@@ -33,7 +33,8 @@ backward rows only: the option changes nothing in the forward.
 
 --decode times one new token (L=1, and one 16-token row, causal bottom-right) against S cached keys:
 B in {1, 8}, H_q=32, H_kv in {8, 32}, E in {128, 64}, S in {1024, 8192, 32768}, K/V in each of
---dtypes (default f32,bf16,f16; q in float32, or in the K/V dtype where attn takes no mixed call),
+--dtypes (default f32,bf16,f16; q in float32, or in the K/V dtype where attn takes no mixed call;
+and the target shape B=1 H_kv=8 E=128 S=8192 once more with q in bf16 against the bf16 K/V),
 2 threads unless --threads. `attn bench` reports GB/s of K/V read (B*H_kv*S*2E*sizeof, each kv head
 once) against the read bandwidth its probe measures in the same run; PyTorch's SDPA (enable_gqa,
 bottom-right causal as an explicit boolean mask, q in the K/V dtype as it takes no mixed dtypes)
@@ -402,6 +403,18 @@ def decode_configurations(quick: bool, threads: list[int], kv_dtypes: tuple[str,
                     "causal": False, "causal_align": "top-left", "backward": False, "threads": t,
                     "repeats": repeats, "warmup": warmup, "dtype": "f32", "kv_dtype": d,
                     "kv_bytes": kv_bytes, "page_size": DECODE_PAGE_SIZE})
+        # A bf16 model's own call on the target shape: q in bf16 too (the dot unit's path where
+        # the CPU has one; PyTorch's row is the same call).
+        if "bf16" in kv_dtypes:
+            kv_bytes = b * hkv * sk * 2 * e * DTYPE_BYTES["bf16"]
+            repeats, warmup = decode_repeats(kv_bytes)
+            for t in threads:
+                configs.append({
+                    "layout": "contiguous", "decode": True, "batch": b, "heads": DECODE_HEADS,
+                    "kv_heads": hkv, "seq": l, "seq_kv": sk, "dim": e, "causal": False,
+                    "causal_align": "top-left", "backward": False, "threads": t,
+                    "repeats": repeats, "warmup": warmup, "dtype": "bf16", "kv_dtype": "bf16",
+                    "kv_bytes": kv_bytes})
     return configs, skipped
 
 

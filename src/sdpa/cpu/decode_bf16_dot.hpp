@@ -125,20 +125,47 @@ inline void dot_scores_tokens4(const uint32_t* q2, int64_t words, int64_t R, int
   }
 }
 
-// One token's scores for all R rows, each with the bits dot_scores_tokens4 gives it (hsum4 adds
-// in hsum16's order).
+// Four packed query rows (q2, `words` apart) dotted with one bf16 key row, each with the bits
+// dot_scores_tokens4 gives it (hsum4 adds in hsum16's order). Always inlined: the pipelined loop
+// (decode_pipeline.hpp) calls it inside a P.V tile, whose 16 accumulators it must not spill.
+[[gnu::always_inline]] inline void dot_rows4_bf16(const uint32_t* q2, int64_t words, int64_t E, const void* k,
+                                                  float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (int64_t e = 0; e < E; e += 32) {
+    const __m512bh kv = key_block(k, e, E);
+    a0 = _mm512_dpbf16_ps(a0, query_block(q2, e), kv);
+    a1 = _mm512_dpbf16_ps(a1, query_block(q2 + words, e), kv);
+    a2 = _mm512_dpbf16_ps(a2, query_block(q2 + 2 * words, e), kv);
+    a3 = _mm512_dpbf16_ps(a3, query_block(q2 + 3 * words, e), kv);
+  }
+  hsum4(to_vf(a0), to_vf(a1), to_vf(a2), to_vf(a3), out);
+}
+
+// dot_rows4_bf16 for two key rows at once (each query block loaded once for both): out[t][r].
+[[gnu::always_inline]] inline void dot_rows4_tokens2_bf16(const uint32_t* q2, int64_t words, int64_t E,
+                                                          const void* k0, const void* k1, float (&out)[2][4]) {
+  __m512 a[2][4];
+  for (int t = 0; t < 2; ++t) {
+    for (int r = 0; r < 4; ++r) a[t][r] = _mm512_setzero_ps();
+  }
+  for (int64_t e = 0; e < E; e += 32) {
+    const __m512bh kv0 = key_block(k0, e, E), kv1 = key_block(k1, e, E);
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh qv = query_block(q2 + r * words, e);
+      a[0][r] = _mm512_dpbf16_ps(a[0][r], qv, kv0);
+      a[1][r] = _mm512_dpbf16_ps(a[1][r], qv, kv1);
+    }
+  }
+  for (int t = 0; t < 2; ++t) hsum4(to_vf(a[t][0]), to_vf(a[t][1]), to_vf(a[t][2]), to_vf(a[t][3]), out[t]);
+}
+
+// One token's scores for all R rows, each with the bits dot_scores_tokens4 gives it.
 inline void dot_scores_token(const uint32_t* q2, int64_t words, int64_t R, int64_t E, const void* k,
                              float s, float* st) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4) {
-    __m512 a[4];
-    for (int i = 0; i < 4; ++i) a[i] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < E; e += 32) {
-      const __m512bh kv = key_block(k, e, E);
-      for (int i = 0; i < 4; ++i) a[i] = _mm512_dpbf16_ps(a[i], query_block(q2 + (r + i) * words, e), kv);
-    }
     float d[4];
-    hsum4(to_vf(a[0]), to_vf(a[1]), to_vf(a[2]), to_vf(a[3]), d);
+    dot_rows4_bf16(q2 + r * words, words, E, k, d);
     for (int i = 0; i < 4; ++i) st[(r + i) * kDecodeChunk] = d[i] * s;
   }
   for (; r < R; ++r) st[r * kDecodeChunk] = dot_row_bf16(q2 + r * words, k, E) * s;
@@ -247,6 +274,8 @@ inline int64_t q_words(int64_t) { return 0; }
 inline void pack_query_pairs(const float*, int64_t, int64_t, uint32_t*) {}
 inline void dot_scores_tokens4(const uint32_t*, int64_t, int64_t, int64_t, const void* const*, const float*, float*) {}
 inline void dot_scores_token(const uint32_t*, int64_t, int64_t, int64_t, const void*, float, float*) {}
+inline void dot_rows4_bf16(const uint32_t*, int64_t, int64_t, const void*, float*) {}
+inline void dot_rows4_tokens2_bf16(const uint32_t*, int64_t, int64_t, const void*, const void*, float (&)[2][4]) {}
 template <typename Hook = const NoHook>
 inline void pv_chunk_permuted(const float*, const void* const*, int64_t, int64_t, int64_t, float*, PvPrefetch,
                               Hook& = NoHook{}) {}

@@ -554,10 +554,15 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
                             ? (kv0.page_size + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk : kDecodeChunk;
   const StepOrder order{j_begin, j_end, group, heads};
   // Four rows read in place (GQA group 4, one new token): the next step's scores during this
-  // one's P.V (decode_pipeline.hpp); 16-bit rows only from E 128 (E 64 measured slower).
+  // one's P.V (decode_pipeline.hpp); 16-bit rows widened to float32 only from E 128 (E 64
+  // measured slower), bf16 on the dot unit at every E.
   if constexpr (W == 16 && T != KvType::kInt8) {
-    if (it0.R == kPipelinedRows && k_in_place && v_in_place && !dot_k && (T == KvType::kFloat32 || p.Evp >= 128)) {
-      decode_pipelined<T>(p, kvs, its, order, modify, permuted_v, st, kchunk);  // kchunk: unused by these rows
+    if (it0.R == kPipelinedRows && k_in_place && v_in_place && (T == KvType::kFloat32 || dot_k || p.Evp >= 128)) {
+      if (dot_k) {  // kchunk: unused by these rows
+        if constexpr (kDotType) decode_pipelined<T, true>(p, kvs, its, order, modify, permuted_v, st, kchunk, q2_of);
+      } else {
+        decode_pipelined<T, false>(p, kvs, its, order, modify, permuted_v, st, kchunk, q2_of);
+      }
       if (permuted_v) {
         for (int64_t h = 0; h < heads; ++h) unpermute_rows(its[h].acc, its[h].R, p.Evp);
       }

@@ -60,7 +60,7 @@ struct DecodeParams {
   int64_t mask_col = 0;     // element stride between keys of a mask row
   bool mask_is_bool = true;
   // The queries are bf16 (and so the output): with a bf16 cache, a build with a bf16 dot unit
-  // multiplies them as bf16 pairs and rounds P to bf16 (decode_bf16_dot.hpp). Set by run_decode.
+  // scores them as bf16 pairs on it; P stays float32 (decode_bf16_dot.hpp). Set by run_decode.
   bool q_bf16 = false;
 };
 

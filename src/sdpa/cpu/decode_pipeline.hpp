@@ -1,8 +1,8 @@
 // The decode kernel's step loop with the next step's scores computed during this step's P.V
 // (software pipelining), for four rows per kv head (GQA group 4 and one new token, the shape of
-// Mistral-7B's and the issue-14 headline), keys and values read in place: float32 rows, and 16-bit
-// ones from E 128 (decode_kernel.hpp's decode_split_t picks it). Included by decode_kernel.hpp,
-// inside its per-ISA namespace.
+// Mistral-7B's and the issue-14 headline), keys and values read in place: float32 rows, 16-bit
+// ones from E 128, and bf16 queries against a bf16 cache on the dot unit (decode_kernel.hpp's
+// decode_split_t picks it). Included by decode_kernel.hpp, inside its per-ISA namespace.
 //
 // Why: in decode_step a step reads its chunk's keys (scores), then its values (P.V), and each
 // phase computes while only its own stream is in flight. Decoding is bound by memory, but on
@@ -36,6 +36,16 @@
 // 16-bit, windows included; and byte for byte against the four-token form on 3264 decode calls).
 // The cost: a second (R, kDecodeChunk) score buffer.
 //
+// bf16 queries against a bf16 cache (kDot; decode_bf16_dot.hpp) are scored on the dot unit two
+// key rows per feed (dot_rows4_tokens2_bf16: each query block loaded once for both), inline.
+// Alternating call by call with decode_step's dot path in one process on Zen 5 (S 8192, K/V
+// rotating among copies larger than the LLC, medians of 40-80 rounds), time ratios: H 32/8 E 128
+// 0.945-0.949 on 2 threads (a read probe of ~40 GB/s), 0.83 on one; E 64 0.90 and 0.92; with
+// K/V in the LLC (S 2048, one copy) 1.00-1.02, one thread 1.04-1.05. Token by token (one key
+// row per feed, its query blocks loaded for each) was 0.90-0.95 from memory but 1.13-1.22 in
+// the LLC. Same bits as decode_step's (dot_rows4_bf16 and dot_scores_tokens4 add in one order):
+// byte-identical outputs on 7 shapes, E 64-256, S 5-8191.
+//
 // Rows: kwin holds the row addresses of the next step's keys, then those of the step after it
 // (the prefetch reads kPrefetchAhead rows ahead of the scoring across the two); vrows[v] the
 // step's value rows, vrows[1 - v] the next step's (prefetched by the P.V tiles).
@@ -44,20 +54,28 @@
 namespace attn::cpu::ATTN_SIMD_NS {
 
 // The rows of an item this loop takes (decode_split_t tests it0.R against it): ScoreFeed scores
-// them with dot_rows4.
+// them with dot_rows4 (dot_rows4_tokens2_bf16 with kDot).
 constexpr int64_t kPipelinedRows = 4;
 
 // Whether ScoreFeed scores a key row inline (16-bit rows) or in a call (float32): see above.
 template <KvType T>
 constexpr bool kScoreInline = T != KvType::kFloat32;
 
+// The next step's query rows as ScoreFeed reads them: float32 rows (q, Ep) for dot_rows4, or
+// with kDot bf16 pairs (q2, words) for the bf16 dot unit (bf16 queries against a bf16 cache).
+struct FeedQuery {
+  const float* q;
+  const uint32_t* q2;
+};
+
 // Scores the next step's key rows into st, one every `every` calls; rest() scores those left
-// when the P.V is done. The rows are the item's kPipelinedRows (dot_rows4).
-template <KvType T>
+// when the P.V is done. The rows are the item's kPipelinedRows: dot_rows4, or with kDot
+// dot_scores_token (the bits decode_step's dot_scores_tokens4 gives).
+template <KvType T, bool kDot>
 struct ScoreFeed {
   static_assert(kPipelinedRows == 4, "dot_rows4 scores four rows");
-  const float* q;  // (4, Ep) the next step's head's query rows
-  int64_t Ep;
+  FeedQuery q;  // the next step's head's rows
+  int64_t Ep, E, words;
   const char* const* kr;  // n rows to score, then more (n_ahead in all) to prefetch
   int64_t n, n_ahead, k_bytes;
   float scale;
@@ -67,10 +85,24 @@ struct ScoreFeed {
 
   [[gnu::always_inline]] void score_here() {
     prefetch_key_ahead(kr, n_ahead, t, k_bytes);
-    float d[4];
-    dot_rows4<T>(q, Ep, kr[t], d);
-    for (int r = 0; r < 4; ++r) st[r * kDecodeChunk + t] = d[r] * scale;
-    ++t;
+    if constexpr (kDot) {
+      // Two key rows per call (the query blocks loaded once for both); a last odd row is
+      // scored twice, its second copy dropped.
+      const bool two = t + 1 < n;
+      prefetch_key_ahead(kr, n_ahead, t + 1, k_bytes);
+      float d2[2][4];
+      dot_rows4_tokens2_bf16(q.q2, words, E, kr[t], kr[two ? t + 1 : t], d2);
+      for (int r = 0; r < 4; ++r) st[r * kDecodeChunk + t] = d2[0][r] * scale;
+      if (two) {
+        for (int r = 0; r < 4; ++r) st[r * kDecodeChunk + t + 1] = d2[1][r] * scale;
+      }
+      t += two ? 2 : 1;
+    } else {
+      float d[4];
+      dot_rows4<T>(q.q, Ep, kr[t], d);
+      for (int r = 0; r < 4; ++r) st[r * kDecodeChunk + t] = d[r] * scale;
+      ++t;
+    }
   }
   [[gnu::noinline]] void score_call() { score_here(); }
   [[gnu::always_inline]] void score() {
@@ -92,15 +124,17 @@ struct ScoreFeed {
 };
 
 // The item's steps in `order`, pipelined. st_a and st_b: two (R, kDecodeChunk) score buffers.
-template <KvType T>
+// With kDot the queries are bf16: q2_of(h) is head h's rows as pairs (q_words(Ep) per row).
+template <KvType T, bool kDot, typename Q2>
 void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, const StepOrder& order,
-                      bool modify, bool permuted_v, float* st_a, float* st_b) {
+                      bool modify, bool permuted_v, float* st_a, float* st_b, Q2 q2_of) {
   const char* kwin[2 * kDecodeChunk];
   const char* vrows[2][kDecodeChunk];
   float no_scales[kDecodeChunk];  // chunk_rows leaves them alone for float caches
   constexpr int64_t R = kPipelinedRows;
   const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
   const int64_t tiles = pv_tile_count<T>(R, p.Evp);
+  const int64_t words = q_words(p.Ep);
   auto keys = [&](const StepOrder::Pos& s, const char** out) {
     if (s.nk > 0) chunk_rows<T>(kvs[s.h], false, s.c0, s.nk, out, no_scales);
   };
@@ -117,7 +151,11 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
   float* nxt = st_b;
   for (int64_t u = 0; u < s.nk; ++u) {
     prefetch_token(kwin, s.nk + s1.nk, u, k_bytes, vrows[0][u], v_bytes);
-    scores_token<T>(its[s.h].q, R, p.Ep, kwin[u], p.scale_log2, cur + u);
+    if constexpr (kDot) {
+      dot_scores_token(q2_of(s.h), words, R, p.E, kwin[u], p.scale_log2, cur + u);
+    } else {
+      scores_token<T>(its[s.h].q, R, p.Ep, kwin[u], p.scale_log2, cur + u);
+    }
   }
   finish_scores<T>(p, kvs[s.h], its[s.h], modify, nullptr, s.c0, s.nk, cur);
   std::copy_n(kwin + s.nk, s1.nk, kwin);
@@ -127,8 +165,9 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
 
   for (int v = 0;; v = 1 - v) {
     // Step s: its P.V, the scores of s1 fed in between its tokens.
-    ScoreFeed<T> feed{its[s1.h].q, p.Ep, kwin, s1.nk, s1.nk + s2.nk, k_bytes, p.scale_log2, nxt, 1, 1};
-    if (s1.nk > 0) feed.every = feed.countdown = std::max<int64_t>(1, s.nk * tiles / s1.nk);
+    const FeedQuery fq{its[s1.h].q, kDot ? q2_of(s1.h) : nullptr};
+    ScoreFeed<T, kDot> feed{fq, p.Ep, p.E, words, kwin, s1.nk, s1.nk + s2.nk, k_bytes, p.scale_log2, nxt, 1, 1};
+    if (s1.nk > 0) feed.every = feed.countdown = std::max<int64_t>(1, s.nk * tiles / s1.nk * (kDot ? 2 : 1));
     const PvPrefetch pf{vrows[1 - v], s1.nk, true};
     const auto* vr = reinterpret_cast<const void* const*>(vrows[v]);
     if (permuted_v) {
