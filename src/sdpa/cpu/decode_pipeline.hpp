@@ -70,7 +70,11 @@ struct FeedQuery {
 
 // Scores the next step's key rows into st, one every `every` calls; rest() scores those left
 // when the P.V is done. The rows are the item's kPipelinedRows: dot_rows4, or with kDot
-// dot_scores_token (the bits decode_step's dot_scores_tokens4 gives).
+// dot_rows4_tokens2_bf16 two key rows per call (the bits decode_step's dot_scores_tokens4 gives).
+// Float32 stays one row per call: two per call measured 0.89-0.94 with K/V in the LLC but
+// 1.07-1.09 from memory (H 32/8, E 128, S 8192, 2 threads, a probe of ~40 GB/s; one thread
+// 1.05-1.07), in a call or inline, with the second row's prefetch issued with the first's or
+// half a feed later: the loss seen for every float32 form but this one (see above).
 template <KvType T, bool kDot>
 struct ScoreFeed {
   static_assert(kPipelinedRows == 4, "dot_rows4 scores four rows");
