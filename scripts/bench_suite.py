@@ -584,6 +584,8 @@ def render_decode(args, rows, skipped, bandwidth, torch_version, machine, starte
         "query sees every key), against S cached keys: q (B, H_q, L, E), k and v (B, H_kv, S, E), "
         "random normal drawn in float32 and rounded to the K/V dtype. q is float32 (the decode "
         "kernel's mixed call); where no attn kernel takes it, q is in the K/V dtype (column q). "
+        "One more row, the target shape (B=1, H 32/8, E 128, S 8192) with q in bf16 against the "
+        "bf16 K/V, is a bf16 model's own call. "
         "PyTorch takes no mixed dtypes: its q is always in the K/V dtype.",
         "- GB/s = K/V bytes per call / median time, the bytes counted once per kv head "
         "(B·H_kv·S·2E·sizeof): under GQA a kernel that re-reads K/V for every query head gets no "
@@ -755,7 +757,7 @@ def failures(rows: list[dict]) -> list[str]:
             if r is not None and "error" in r and cfg.get("decode"):
                 out.append(f"{cfg['layout']} B={cfg['batch']} H_kv={cfg['kv_heads']} "
                            f"S={cfg['seq_kv']} L={cfg['seq']} E={cfg['dim']} K/V {cfg['kv_dtype']} "
-                           f"threads={cfg['threads']}, {impl}: {r['error']}")
+                           f"q {cfg['dtype']} threads={cfg['threads']}, {impl}: {r['error']}")
             elif r is not None and "error" in r:
                 out.append(f"L={cfg['seq']} E={cfg['dim']} causal={cfg['causal']} "
                            f"backward={cfg.get('backward', False)} "
@@ -998,7 +1000,7 @@ def decode_main(args, output, threads, dtypes, python, torch_version, machine, s
         row = run_decode_row(args.attn, python, guard, cfg)
         rows.append(row)
         log(f"[{n}/{len(configs)}] {cfg['layout']} B={cfg['batch']} H={cfg['heads']}/{cfg['kv_heads']} "
-            f"E={cfg['dim']} S={cfg['seq_kv']} L={cfg['seq']} K/V {cfg['kv_dtype']} "
+            f"E={cfg['dim']} S={cfg['seq_kv']} L={cfg['seq']} K/V {cfg['kv_dtype']} q {cfg['dtype']} "
             f"threads={cfg['threads']}: attn {gbps(row['fused'])} GB/s, torch "
             f"{gbps(row.get('torch')) if 'torch' in row else 'skipped'} GB/s "
             f"({time.monotonic() - t0_suite:.0f} s)")

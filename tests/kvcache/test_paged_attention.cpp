@@ -161,6 +161,10 @@ TEST(PagedAttention, EveryCacheAndQueryDtype) {
     for (DType query : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
       expect_matches_dense({8, 2, 16, 16, 4, true, cache, query});
       expect_matches_dense({4, 4, 64, 64, 1, false, cache, query});
+      // Group 4, one query: the pipelined steps over pages, both kv heads per step (bf16 on a
+      // bf16 cache: the dot unit's, E 128 permuted P.V, E 80 plain).
+      expect_matches_dense({8, 2, 128, 128, 1, false, cache, query});
+      expect_matches_dense({8, 2, 80, 80, 1, true, cache, query});
     }
   }
 }

@@ -555,7 +555,8 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   const StepOrder order{j_begin, j_end, group, heads};
   // Four rows read in place (GQA group 4, one new token): the next step's scores during this
   // one's P.V (decode_pipeline.hpp); 16-bit rows widened to float32 only from E 128 (E 64
-  // measured slower), bf16 on the dot unit at every E.
+  // measured slower); bf16 queries on a bf16 cache (the dot unit) at every E (measured faster at
+  // 64 and 128).
   if constexpr (W == 16 && T != KvType::kInt8) {
     if (it0.R == kPipelinedRows && k_in_place && v_in_place && (T == KvType::kFloat32 || dot_k || p.Evp >= 128)) {
       if (dot_k) {  // kchunk: unused by these rows

@@ -10,8 +10,8 @@
 // arithmetic: a thread computes a token of four rows in ~64-72 cycles with K/V in L2 and its
 // kilobyte of float32 K/V takes ~160 cycles to arrive at a thread's share of the bandwidth, yet
 // the two together took ~230. Here, after every `every` tokens of the P.V tiles, one key row of
-// the next step is scored (ScoreFeed), so the keys' and the values' streams are read together
-// and one's arithmetic covers the other's misses.
+// the next step (two on the bf16 dot unit) is scored (ScoreFeed), so the keys' and the values'
+// streams are read together and one's arithmetic covers the other's misses.
 //
 // Measured alternating call by call with decode_step in one process (S 8192, rotating copies of
 // K/V larger than the LLC, medians of 120 pairs, 2 threads), time ratios: float32 E 128 0.87-0.90,
@@ -29,8 +29,8 @@
 // inline it was 0.67 with K/V in the LLC and 0.95-0.99 at a fast probe, but 1.02-1.08 at a slow
 // one; four tokens per call likewise (0.71-0.75 in the LLC, 0.92-0.96 fast, 1.08-1.10 slow, with
 // or without L1 prefetches of the keys, with 16-48 rows of prefetch lead). The cause of the slow
-// probe's loss is not found. 16-bit E 64 stays on decode_step (pipelined and inline, 1.20-1.24x
-// there with K/V in the LLC).
+// probe's loss is not found. 16-bit E 64 with float32 queries stays on decode_step (pipelined and
+// inline, 1.20-1.24x there with K/V in the LLC).
 // The arithmetic and its order are decode_step's (dot_rows4 gives the bits scores_tokens4 does),
 // so the results are the same bits (compared against decode_step's on 10 shapes, float32 and
 // 16-bit, windows included; and byte for byte against the four-token form on 3264 decode calls).
@@ -68,9 +68,9 @@ struct FeedQuery {
   const uint32_t* q2;
 };
 
-// Scores the next step's key rows into st, one every `every` calls; rest() scores those left
-// when the P.V is done. The rows are the item's kPipelinedRows: dot_rows4, or with kDot
-// dot_rows4_tokens2_bf16 two key rows per call (the bits decode_step's dot_scores_tokens4 gives).
+// Scores the next step's key rows into st, one (two with kDot) every `every` calls; rest()
+// scores those left when the P.V is done. The rows are the item's kPipelinedRows: dot_rows4, or
+// with kDot dot_rows4_tokens2_bf16 (the bits decode_step's dot_scores_tokens4 gives).
 // Float32 stays one row per call: two per call measured 0.89-0.94 with K/V in the LLC but
 // 1.07-1.09 from memory (H 32/8, E 128, S 8192, 2 threads, a probe of ~40 GB/s; one thread
 // 1.05-1.07), in a call or inline, with the second row's prefetch issued with the first's or
@@ -137,7 +137,7 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
   float no_scales[kDecodeChunk];  // chunk_rows leaves them alone for float caches
   constexpr int64_t R = kPipelinedRows;
   const int64_t k_bytes = p.E * elem_size(T), v_bytes = p.Ev * elem_size(T);
-  const int64_t tiles = pv_tile_count<T>(R, p.Evp);
+  const int64_t tiles = permuted_v ? pv_permuted_tile_count(R, p.Evp) : pv_tile_count<T>(R, p.Evp);
   const int64_t words = q_words(p.Ep);
   auto keys = [&](const StepOrder::Pos& s, const char** out) {
     if (s.nk > 0) chunk_rows<T>(kvs[s.h], false, s.c0, s.nk, out, no_scales);
@@ -171,7 +171,8 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
     // Step s: its P.V, the scores of s1 fed in between its tokens.
     const FeedQuery fq{its[s1.h].q, kDot ? q2_of(s1.h) : nullptr};
     ScoreFeed<T, kDot> feed{fq, p.Ep, p.E, words, kwin, s1.nk, s1.nk + s2.nk, k_bytes, p.scale_log2, nxt, 1, 1};
-    if (s1.nk > 0) feed.every = feed.countdown = std::max<int64_t>(1, s.nk * tiles / s1.nk * (kDot ? 2 : 1));
+    // The hook runs s.nk * tiles times; with kDot each feed scores two rows.
+    if (s1.nk > 0) feed.every = feed.countdown = std::max<int64_t>(1, (kDot ? 2 : 1) * s.nk * tiles / s1.nk);
     const PvPrefetch pf{vrows[1 - v], s1.nk, true};
     const auto* vr = reinterpret_cast<const void* const*>(vrows[v]);
     if (permuted_v) {

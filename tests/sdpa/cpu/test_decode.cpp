@@ -61,6 +61,12 @@ std::vector<Case> decode_sweep() {
   // The same from E 128, where 16-bit caches take the pipelined steps too (their scores inline).
   cases.push_back({1, 8, 2, 1, 1300, 128, 128, MaskKind::kNone, 0.0f});
   cases.push_back({1, 8, 2, 1, 1300, 128, 128, MaskKind::kCausalBottomRight, 0.0f});
+  // Group 4, one query, E off 64 and 128, odd key counts: bf16 queries on a bf16 cache take the
+  // pipelined steps at every E (two key rows a feed, an odd last row alone; E 80 and 144 with the
+  // plain P.V and masked key blocks, E 96 with the permuted one, 64 + 32 columns).
+  cases.push_back({1, 8, 2, 1, 1301, 80, 80, MaskKind::kNone, 0.0f});
+  cases.push_back({1, 8, 2, 1, 999, 96, 96, MaskKind::kCausalBottomRight, 0.0f});
+  cases.push_back({1, 8, 2, 1, 777, 144, 144, MaskKind::kBool, 0.0f});
   // One row per kv head (no GQA, one query): single_row_step's straight line, E 64 and 128 (bf16
   // on the dot unit with its permuted P.V in the AVX512-BF16 build), over 21 chunks.
   cases.push_back({1, 2, 2, 1, 1300, 64, 64, MaskKind::kNone, 0.0f});
