@@ -125,40 +125,27 @@ inline void dot_scores_tokens4(const uint32_t* q2, int64_t words, int64_t R, int
   }
 }
 
-// Four packed query rows (q2, `words` apart) dotted with one bf16 key row, each with the bits
-// dot_scores_tokens4 gives it (hsum4 adds in hsum16's order). dot_scores_token's four rows and
-// the pipelined loop's first step (decode_pipeline.hpp).
-[[gnu::always_inline]] inline void dot_rows4_bf16(const uint32_t* q2, int64_t words, int64_t E, const void* k,
-                                                  float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (int64_t e = 0; e < E; e += 32) {
-    const __m512bh kv = key_block(k, e, E);
-    a0 = _mm512_dpbf16_ps(a0, query_block(q2, e), kv);
-    a1 = _mm512_dpbf16_ps(a1, query_block(q2 + words, e), kv);
-    a2 = _mm512_dpbf16_ps(a2, query_block(q2 + 2 * words, e), kv);
-    a3 = _mm512_dpbf16_ps(a3, query_block(q2 + 3 * words, e), kv);
-  }
-  hsum4(to_vf(a0), to_vf(a1), to_vf(a2), to_vf(a3), out);
-}
-
-// dot_rows4_bf16 for two key rows at once (each query block loaded once for both): out[t][r].
-// Always inlined: the pipelined loop scores with it inside a P.V tile, whose 16 accumulators it
-// must not spill (out of line it measured 1.34x the time with K/V in L2).
-[[gnu::always_inline]] inline void dot_rows4_tokens2_bf16(const uint32_t* q2, int64_t words, int64_t E,
-                                                          const void* k0, const void* k1, float (&out)[2][4]) {
-  __m512 a[2][4];
-  for (int t = 0; t < 2; ++t) {
+// Four packed query rows (q2, `words` apart) dotted with NT bf16 key rows: out[t][r], each with
+// the bits dot_scores_tokens4 gives it (hsum4 adds in hsum16's order); each query block is loaded
+// once for the NT rows. Always inlined: the pipelined loop (decode_pipeline.hpp) scores two rows
+// with it inside a P.V tile, whose 16 accumulators it must not spill (out of line it measured
+// 1.34x the time with K/V in L2).
+template <int NT>
+[[gnu::always_inline]] inline void dot_rows4_tokens_bf16(const uint32_t* q2, int64_t words, int64_t E,
+                                                         const void* const (&k)[NT], float (&out)[NT][4]) {
+  __m512 a[NT][4];
+  for (int t = 0; t < NT; ++t) {
     for (int r = 0; r < 4; ++r) a[t][r] = _mm512_setzero_ps();
   }
   for (int64_t e = 0; e < E; e += 32) {
-    const __m512bh kv0 = key_block(k0, e, E), kv1 = key_block(k1, e, E);
+    __m512bh kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = key_block(k[t], e, E);
     for (int r = 0; r < 4; ++r) {
       const __m512bh qv = query_block(q2 + r * words, e);
-      a[0][r] = _mm512_dpbf16_ps(a[0][r], qv, kv0);
-      a[1][r] = _mm512_dpbf16_ps(a[1][r], qv, kv1);
+      for (int t = 0; t < NT; ++t) a[t][r] = _mm512_dpbf16_ps(a[t][r], qv, kv[t]);
     }
   }
-  for (int t = 0; t < 2; ++t) hsum4(to_vf(a[t][0]), to_vf(a[t][1]), to_vf(a[t][2]), to_vf(a[t][3]), out[t]);
+  for (int t = 0; t < NT; ++t) hsum4(to_vf(a[t][0]), to_vf(a[t][1]), to_vf(a[t][2]), to_vf(a[t][3]), out[t]);
 }
 
 // One token's scores for all R rows, each with the bits dot_scores_tokens4 gives it.
@@ -166,9 +153,10 @@ inline void dot_scores_token(const uint32_t* q2, int64_t words, int64_t R, int64
                              float s, float* st) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4) {
-    float d[4];
-    dot_rows4_bf16(q2 + r * words, words, E, k, d);
-    for (int i = 0; i < 4; ++i) st[(r + i) * kDecodeChunk] = d[i] * s;
+    float d[1][4];
+    const void* const kt[1] = {k};
+    dot_rows4_tokens_bf16<1>(q2 + r * words, words, E, kt, d);
+    for (int i = 0; i < 4; ++i) st[(r + i) * kDecodeChunk] = d[0][i] * s;
   }
   for (; r < R; ++r) st[r * kDecodeChunk] = dot_row_bf16(q2 + r * words, k, E) * s;
 }
@@ -216,32 +204,33 @@ inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t n
   }
 }
 
+// The permuted P.V's column tiles (by_col_tiles' counterpart): NB = 2 blocks of 32 per tile, and
+// one block for a last 32 columns.
+template <typename Tile>
+[[gnu::always_inline]] inline void by_permuted_col_tiles(int64_t Evp, Tile&& tile) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= Evp; c0 += 64) tile.template operator()<2>(c0);
+  if (c0 < Evp) tile.template operator()<1>(c0);
+}
+
 template <int RT, typename Hook>
 inline void pv_rows_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp, float* acc,
                              PvPrefetch pf, Hook& hook) {
   const bool guard = any_zero_weight(st, r0, RT, nk);
-  int64_t c0 = 0;
-  for (; c0 + 64 <= Evp; c0 += 64) {
+  by_permuted_col_tiles(Evp, [&]<int NB>(int64_t c0) {
     if (guard) {
-      pv_tile_widened<RT, 2, true>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
+      pv_tile_widened<RT, NB, true>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
     } else {
-      pv_tile_widened<RT, 2, false>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
+      pv_tile_widened<RT, NB, false>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
     }
-  }
-  if (c0 < Evp) {
-    if (guard) {
-      pv_tile_widened<RT, 1, true>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
-    } else {
-      pv_tile_widened<RT, 1, false>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
-    }
-  }
+  });
 }
 
 // The tiles pv_chunk_permuted runs for R rows (the hook's calls per token), as pv_tile_count
-// counts pv_chunk's: per row tile, one per 64 columns and one for a last 32.
+// counts pv_chunk's.
 inline int64_t pv_permuted_tile_count(int64_t R, int64_t Evp) {
   int64_t n = 0;
-  by_row_tiles(R, [&]<int RT>(int64_t) { n += Evp / 64 + (Evp % 64 != 0 ? 1 : 0); });
+  by_row_tiles(R, [&]<int RT>(int64_t) { by_permuted_col_tiles(Evp, [&]<int NB>(int64_t) { ++n; }); });
   return n;
 }
 
@@ -284,8 +273,8 @@ inline int64_t q_words(int64_t) { return 0; }
 inline void pack_query_pairs(const float*, int64_t, int64_t, uint32_t*) {}
 inline void dot_scores_tokens4(const uint32_t*, int64_t, int64_t, int64_t, const void* const*, const float*, float*) {}
 inline void dot_scores_token(const uint32_t*, int64_t, int64_t, int64_t, const void*, float, float*) {}
-inline void dot_rows4_bf16(const uint32_t*, int64_t, int64_t, const void*, float*) {}
-inline void dot_rows4_tokens2_bf16(const uint32_t*, int64_t, int64_t, const void*, const void*, float (&)[2][4]) {}
+template <int NT>
+inline void dot_rows4_tokens_bf16(const uint32_t*, int64_t, int64_t, const void* const (&)[NT], float (&)[NT][4]) {}
 template <typename Hook = const NoHook>
 inline void pv_chunk_permuted(const float*, const void* const*, int64_t, int64_t, int64_t, float*, PvPrefetch,
                               Hook& = NoHook{}) {}

@@ -37,14 +37,14 @@
 // The cost: a second (R, kDecodeChunk) score buffer.
 //
 // bf16 queries against a bf16 cache (kDot; decode_bf16_dot.hpp) are scored on the dot unit two
-// key rows per feed (dot_rows4_tokens2_bf16: each query block loaded once for both), inline.
+// key rows per feed (dot_rows4_tokens_bf16<2>: each query block loaded once for both), inline.
 // Alternating call by call with decode_step's dot path in one process on Zen 5 (S 8192, K/V
 // rotating among copies larger than the LLC, medians of 40-80 rounds), time ratios: H 32/8 E 128
 // 0.945-0.949 on 2 threads (a read probe of ~40 GB/s), 0.83 on one; E 64 0.90 and 0.92; with
 // K/V in the LLC (S 2048, one copy) 1.00-1.02, one thread 1.04-1.05. Token by token (one key
 // row per feed, its query blocks loaded for each) was 0.90-0.95 from memory but 1.13-1.22 in
-// the LLC. Same bits as decode_step's (dot_rows4_bf16 and dot_scores_tokens4 add in one order):
-// byte-identical outputs on 7 shapes, E 64-256, S 5-8191.
+// the LLC. Same bits as decode_step's (dot_rows4_tokens_bf16 and dot_scores_tokens4 add in one
+// order): byte-identical outputs on 7 shapes, E 64-256, S 5-8191.
 //
 // Rows: kwin holds the row addresses of the next step's keys, then those of the step after it
 // (the prefetch reads kPrefetchAhead rows ahead of the scoring across the two); vrows[v] the
@@ -54,7 +54,7 @@
 namespace attn::cpu::ATTN_SIMD_NS {
 
 // The rows of an item this loop takes (decode_split_t tests it0.R against it): ScoreFeed scores
-// them with dot_rows4 (dot_rows4_tokens2_bf16 with kDot).
+// them with dot_rows4 (dot_rows4_tokens_bf16<2> with kDot).
 constexpr int64_t kPipelinedRows = 4;
 
 // Whether ScoreFeed scores a key row inline (16-bit rows) or in a call (float32): see above.
@@ -70,7 +70,7 @@ struct FeedQuery {
 
 // Scores the next step's key rows into st, one (two with kDot) every `every` calls; rest()
 // scores those left when the P.V is done. The rows are the item's kPipelinedRows: dot_rows4, or
-// with kDot dot_rows4_tokens2_bf16 (the bits decode_step's dot_scores_tokens4 gives).
+// with kDot dot_rows4_tokens_bf16<2> (the bits decode_step's dot_scores_tokens4 gives).
 // Float32 stays one row per call: two per call measured 0.89-0.94 with K/V in the LLC but
 // 1.07-1.09 from memory (H 32/8, E 128, S 8192, 2 threads, a probe of ~40 GB/s; one thread
 // 1.05-1.07), in a call or inline, with the second row's prefetch issued with the first's or
@@ -95,7 +95,8 @@ struct ScoreFeed {
       const bool two = t + 1 < n;
       prefetch_key_ahead(kr, n_ahead, t + 1, k_bytes);
       float d2[2][4];
-      dot_rows4_tokens2_bf16(q.q2, words, E, kr[t], kr[two ? t + 1 : t], d2);
+      const void* const kt[2] = {kr[t], kr[two ? t + 1 : t]};
+      dot_rows4_tokens_bf16<2>(q.q2, words, E, kt, d2);
       for (int r = 0; r < 4; ++r) st[r * kDecodeChunk + t] = d2[0][r] * scale;
       if (two) {
         for (int r = 0; r < 4; ++r) st[r * kDecodeChunk + t + 1] = d2[1][r] * scale;
