@@ -51,9 +51,22 @@ constexpr int W = ATTN_SIMD_WIDTH;
 using vf = float __attribute__((vector_size(W * sizeof(float))));
 using vi = int32_t __attribute__((vector_size(W * sizeof(float))));
 
+// Register tiling per build, measured (docs/PERFORMANCE*.md): the FMA units need latency x
+// throughput = 8 independent accumulators on every x86 core seen (Zen 3/4/5, Sapphire Rapids),
+// which AVX-512's 32 registers hold with room for running totals; AVX2's 16 do not. The
+// generic build (W = 4, no FMA) keeps the tiling it was written with.
 constexpr int64_t kBQ = 2 * W;       // queries per block (two vectors)
 constexpr int64_t kBK = 64;          // keys per key block
 constexpr int kJT = W >= 16 ? 8 : 4; // keys per S^T register tile (2*kJT accumulators)
+// When E spans several chunks (scores_block): keys per tile, and whether the running totals
+// stay in registers (AVX-512: 7 keys, 14 accumulators + 14 totals) or in S^T itself (16
+// registers: totals in registers would leave 3 keys, 6 accumulators; Zen 3 measured 1.04-1.13x
+// faster with 4 keys and a load-add-store per chunk of 16).
+constexpr int kJTSum = W >= 16 ? 7 : W == 8 ? 4 : 3;
+constexpr bool kTotalsInSt = W == 8;
+// Vectors of Ev (P @ V) or of a rank update's columns per register tile of 4 rows: 4 x 4 or
+// 4 x 3 accumulators (AVX2: 12 of 16 registers; 1.06-1.08x over 4 x 2 on Zen 3).
+constexpr int kCV = W >= 16 ? 4 : W == 8 ? 3 : 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline vf load(const float* p) {
@@ -207,7 +220,6 @@ inline void pack_block_transposed(const float* x, int64_t ld, int64_t n, int64_t
 // folding it into Q instead rounds every product q_e * k_e, an error that grows with the sum of
 // |q_e k_e| rather than with the score.
 constexpr int64_t kEChunk = 16;
-constexpr int kJTSum = W >= 16 ? 7 : 3;  // keys per tile when E spans several chunks
 
 // acc[t][h] = sum over e in [e0, e1) of kr[t][e] * qt[e][h half], from zero.
 template <int JT>
@@ -243,6 +255,25 @@ inline void scores_tile(const float* qt, const float* kr, int64_t k_row, int64_t
   }
 }
 
+// scores_tile with the running totals kept in st (kTotalsInSt): the same additions in the
+// same order, so the same bits.
+template <int JT>
+inline void scores_tile_st(const float* qt, const float* kr, int64_t k_row, int64_t E, int64_t chunk,
+                            float scale, float* st) {
+  for (int64_t e0 = 0; e0 < E; e0 += chunk) {
+    vf acc[JT][2];
+    chunk_sums<JT>(qt, kr, k_row, e0, imin(e0 + chunk, E), acc);
+    const bool last = e0 + chunk >= E;
+    for (int t = 0; t < JT; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        float* out = st + t * kBQ + h * W;
+        vf x = e0 == 0 ? acc[t][h] : load(out) + acc[t][h];
+        store(out, last ? x * scale : x);
+      }
+    }
+  }
+}
+
 template <int JT>
 inline void scores_tiles(const float* qt, const float* k, int64_t k_row, int64_t E, int64_t nk,
                          int64_t chunk, float scale, float* st) {
@@ -253,6 +284,9 @@ inline void scores_tiles(const float* qt, const float* k, int64_t k_row, int64_t
   int64_t full = nk / JT;
   if (JT > 4 && full > 0 && nk % JT != 0 && nk % JT < 4) --full;
   int64_t jj = 0;
+  if (kTotalsInSt && E > chunk) {
+    for (; jj < full * JT; jj += JT) scores_tile_st<JT>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
+  }
   for (; jj < full * JT; jj += JT) scores_tile<JT>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
   if constexpr (JT > 4) {
     for (; jj + 4 <= nk; jj += 4) scores_tile<4>(qt, k + jj * k_row, k_row, E, chunk, scale, st + jj * kBQ);
@@ -389,14 +423,22 @@ inline void pv_chunk(const float* st, const float* v, int64_t v_row, int64_t nk,
   }
 }
 
+// Calls f.operator()<CV>(c0) over columns [0, n) (n a multiple of W) in chunks of CV vectors:
+// kCV, then 2, then 1; with kCV = 3 a remainder of 4 vectors goes as 2 + 2 (a tile of one
+// vector has too few accumulators in flight). Each column's sums do not depend on the split.
+template <class F>
+inline void for_col_chunks(int64_t n, F&& f) {
+  int64_t c = 0;
+  for (; c + kCV * W <= n && !(kCV == 3 && n - c == 4 * W); c += kCV * W) f.template operator()<kCV>(c);
+  for (; c + 2 * W <= n; c += 2 * W) f.template operator()<2>(c);
+  for (; c < n; c += W) f.template operator()<1>(c);
+}
+
 // ob[q][:] += sum_jj P^T[jj][q] * v[j0 + jj][:] over Ev (padded to evp), in chunks of vectors.
 template <bool kGuard>
 inline void pv_block(const float* st, const float* v, int64_t v_row, int64_t nk, int64_t evp,
                      float* ob) {
-  constexpr int kCV = W >= 16 ? 4 : 2;  // vectors of Ev per chunk
-  int64_t c0 = 0;
-  for (; c0 + kCV * W <= evp; c0 += kCV * W) pv_chunk<kCV, kGuard>(st, v, v_row, nk, evp, c0, ob);
-  for (; c0 < evp; c0 += W) pv_chunk<1, kGuard>(st, v, v_row, nk, evp, c0, ob);
+  for_col_chunks(evp, [&]<int CV>(int64_t c0) { pv_chunk<CV, kGuard>(st, v, v_row, nk, evp, c0, ob); });
 }
 
 // Forward pass over one block of queries: writes b.o (nq x Ev) and, if asked, b.lse.
