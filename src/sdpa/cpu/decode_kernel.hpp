@@ -20,9 +20,9 @@
 //   kwide (Ep), vwide (kDecodeChunk, Evp): widened rows, only for a head dim that is not a
 //         multiple of 16 (others are read in place, 16-bit and int8 widened in registers)
 // Scores: each key row is loaded once and dotted with four query rows at a time, the four
-// sums reduced together (hsum4); with AVX-512 and 4 <= R < 16, four key rows at a time as well,
-// so a query vector is loaded once per four tokens and 16 sums share one reduction (hsum16); with
-// R >= 16, rows in lanes (scores_lanes); with R < 4, token by token (key rows in memory order).
+// sums reduced together (hsum4); with 4 <= R < W, four key rows at a time as well, so a query
+// vector is loaded once per four tokens (AVX-512: 16 sums share one reduction, hsum16; AVX2: by
+// pairs of tokens, 8 accumulators); with R >= W, rows in lanes (scores_lanes); with R < 4, token by token (key rows in memory order).
 // One query row per kv head (no GQA, L = 1) takes a straight-line copy of a step
 // (single_row_step), its rows addressed as base + u * stride: a paged cache's by steps that never
 // cross a page (decode_single_row_paged). P.V: register tiles of up to 4 rows x 4 vectors of Ev over the

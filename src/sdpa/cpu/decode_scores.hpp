@@ -27,6 +27,17 @@ inline void hsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
   const v8 d = __builtin_shufflevector(c01, c23, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(c01, c23, 2, 3, 6, 7, 10, 11, 14, 15);
   const v4 r = __builtin_shufflevector(d, d, 0, 2, 4, 6) + __builtin_shufflevector(d, d, 1, 3, 5, 7);
   std::memcpy(out, &r, sizeof r);
+#elif ATTN_SIMD_WIDTH == 8
+  using v4 = float __attribute__((vector_size(16)));
+  const v4 b0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7);
+  const v4 b1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7);
+  const v4 b2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7);
+  const v4 b3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7);
+  // c01 = {b0[0] + b0[2], b0[1] + b0[3], b1[0] + b1[2], b1[1] + b1[3]}, c23 likewise
+  const v4 c01 = __builtin_shufflevector(b0, b1, 0, 1, 4, 5) + __builtin_shufflevector(b0, b1, 2, 3, 6, 7);
+  const v4 c23 = __builtin_shufflevector(b2, b3, 0, 1, 4, 5) + __builtin_shufflevector(b2, b3, 2, 3, 6, 7);
+  const v4 r = __builtin_shufflevector(c01, c23, 0, 2, 4, 6) + __builtin_shufflevector(c01, c23, 1, 3, 5, 7);
+  std::memcpy(out, &r, sizeof r);
 #else
   out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
 #endif
@@ -192,6 +203,37 @@ inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const v
   store_scores4x4(acc, s, st + r0 * kDecodeChunk);
 }
 
+#elif ATTN_SIMD_WIDTH == 8
+// AVX2, 4 <= R: four tokens as two pairs. Four rows x four tokens would need 16 accumulators,
+// all of AVX2's registers; a pair keeps 8 (the FMA units' latency x throughput) beside two key
+// and one query vector: per step of E 2 key loads and 4 query loads for 8 FMAs, where
+// dot_rows4 token by token does 5 loads for 4 FMAs in 4 dependent chains. Each score is one
+// accumulator over E reduced by hsum4, so it has the bits dot_rows4 gives it.
+constexpr bool kScoresByFour = true;
+
+template <KvType T>
+inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const void* const* k,
+                                 const float* s, float* st) {
+  for (int t0 = 0; t0 < 4; t0 += 2) {
+    vf acc[2][4] = {};
+    for (int64_t e = 0; e < Ep; e += W) {
+      const vf k0 = load_as_float<T>(k[t0], e), k1 = load_as_float<T>(k[t0 + 1], e);
+      for (int r = 0; r < 4; ++r) {
+        const vf qv = load(q + (r0 + r) * Ep + e);
+        acc[0][r] += qv * k0;
+        acc[1][r] += qv * k1;
+      }
+    }
+    for (int t = 0; t < 2; ++t) {
+      float d[4];
+      hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3], d);
+      for (int r = 0; r < 4; ++r) st[(r0 + r) * kDecodeChunk + t0 + t] = d[r] * s[t0 + t];
+    }
+  }
+}
+#endif
+
+#if ATTN_SIMD_WIDTH >= 8
 // Four tokens' scores for R < W rows: rows by four, the rest as scores_token does. k[t] are
 // rows of type T read in place, s[t] the token's scale (times scale_log2).
 template <KvType T>
