@@ -4,9 +4,11 @@
 #   scripts/sanitize.sh [asan] [tsan]      (default: both)
 #
 # asan  g++, -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer,
-#       RelWithDebInfo, in build-asan/: the ENTIRE CTest suite (unit tests, stress test, CLI
-#       exit-code tests, example), then a short soak (random shapes, strided inputs, masks,
-#       dropout) under the same sanitizers.
+#       RelWithDebInfo, in build-asan/: the CTest suite (unit tests, stress test, CLI exit-code
+#       tests, example) but for the labels "slow" (two full training runs) and "heavy" (the
+#       sweeps' largest cases, tests/label_heavy.cmake), which test.sh runs in the optimised
+#       build; then a short soak (random shapes, strided inputs, masks, dropout) under the same
+#       sanitizers.
 # tsan  clang++-14 with LLVM's libomp and its Archer tool (OMP_TOOL_LIBRARIES=libarcher.so),
 #       which tells ThreadSanitizer about OpenMP's barriers, tasks and locks; GCC's libgomp is not
 #       instrumented and would give false reports. In build-tsan/: first a canary
@@ -16,7 +18,8 @@
 #       Then the threaded tests (the fused kernel's FlashForward*, the fused backward's two-thread
 #       sweep and FlashBackward* cases, every Sdpa* test, the variants' two-thread sweep
 #       (Sweep/Variants.SameBitsForOneAndTwoThreads/*), flex_attention's thread-count test,
-#       Stress.*, NumericsPolicy.*) and a short soak run with TSAN_OPTIONS=halt_on_error=1.
+#       Stress.*, NumericsPolicy.*; not the label-heavy cases) and a short soak run with
+#       TSAN_OPTIONS=halt_on_error=1.
 #
 # Every test's output is kept (<build>/ctest-output.txt, ctest -V) and searched for sanitizer
 # reports, so a report in a test that is expected to fail, or in a child process, still counts.
@@ -96,8 +99,10 @@ stage_asan() {
   rm -f build-asan/ctest-output.txt build-asan/soak.txt
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
-  log "ASan+UBSan: the CTest suite but the two label-slow training runs"
-  run_ctest build-asan -LE slow  # the two full default training runs: covered by test.sh
+  log "ASan+UBSan: the CTest suite but the label-slow training runs and the label-heavy sweep cases"
+  # Both run in test.sh's optimised build: the two full default training runs, and the sweeps'
+  # "_large" cases (tests/label_heavy.cmake), whose smaller cases take the same code paths here.
+  run_ctest build-asan -LE 'slow|heavy'
   asan_ran=$ran
   [ "$failed_tests" -ne 0 ] && fail "$failed_tests of $ran tests failed under ASan+UBSan"
   asan_soak="skipped"
@@ -160,7 +165,7 @@ stage_tsan() {
   export TSAN_OPTIONS="$tsan_base"
   export OMP_TOOL_LIBRARIES="$archer"
   log "TSan: threaded tests (FlashForward*, FlashBackward two-thread sweep, Sdpa*, the 16-bit kernels' two-thread sweep (the AMX kernel's on emulated tiles too), the decode kernels' thread-count sweep, the variants' two-thread sweep, flex_attention's thread counts, Stress.*, NumericsPolicy.*)"
-  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|AmxEmulated\.SameBits|Decode\.SameBits|/Variants\.SameBitsForOneAndTwoThreads/|^FlexAttention\.SameBitsForOneTwoAndThreeThreads$|^Stress\.|^NumericsPolicy\.'
+  run_ctest build-tsan -R 'FlashForward|FlashBackward\.SameBits|FlashBackward[A-Z]|Sdpa|LowPrecision\.SameBits|AmxEmulated\.SameBits|Decode\.SameBits|/Variants\.SameBitsForOneAndTwoThreads/|^FlexAttention\.SameBitsForOneTwoAndThreeThreads$|^Stress\.|^NumericsPolicy\.' -LE heavy
   tsan_ran=$ran
   [ "$failed_tests" -ne 0 ] && fail "$failed_tests of $ran tests failed under TSan"
   tsan_soak="skipped"

@@ -259,7 +259,7 @@ TEST_P(LowPrecision, OutputResidualCarriesTheFloat32Output) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, LowPrecision, testing::ValuesIn(low_sweep()),
-                         [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+                         [](const testing::TestParamInfo<Case>& info) { return test::case_name(info.param, info.index); });
 
 // cpu.flash.avx512_bf16 forced by name computes bf16 gradients with its own backward (the
 // vdpbf16ps driver, bit for bit), not widened: the tests above that force it test that kernel.

@@ -117,6 +117,17 @@ inline std::vector<Case> sweep() {
 
 inline void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
 
+// A sweep case's name ends in "_large" when its work (B Hq L S (E + Ev): the float64 truth's and
+// the kernels' multiply-adds) passes this bound. CTest labels such tests "heavy"
+// (tests/label_heavy.cmake): the sanitizer runs skip them, where they cost 10x, and the README's
+// test command runs them. Every sweep keeps smaller cases on the same code paths (masks, GQA,
+// head dims, key splits), so the sanitizers still see each path.
+constexpr int64_t kLargeCaseWork = 10'000'000;
+inline std::string large_tag(int64_t work) { return work > kLargeCaseWork ? "_large" : ""; }
+inline std::string case_name(const Case& c, size_t index) {
+  return "case" + std::to_string(index) + large_tag(c.B * c.Hq * c.L * c.S * (c.E + c.Ev));
+}
+
 // The float32 fused kernels of the registry that this CPU runs: the sweeps force each by name
 // (SdpaOptions::kernel). A kernel it cannot run is reported once on stdout with the reason, so
 // a machine without AVX-512 says what it did not test instead of passing silently.

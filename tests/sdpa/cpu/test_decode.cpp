@@ -183,7 +183,7 @@ TEST_P(Decode, SixteenBitSameBitsForAnyThreadCount) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, Decode, testing::ValuesIn(decode_sweep()),
-                         [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+                         [](const testing::TestParamInfo<Case>& info) { return test::case_name(info.param, info.index); });
 
 // ---- layouts, choice, refusals ---------------------------------------------------------------------
 
@@ -423,11 +423,13 @@ struct VariantInputs {
   SdpaOptions options;
 };
 
+int64_t variant_batch(const VariantCase& c) { return c.S >= 5000 ? 1 : 2; }
+
 // q float32; k, v in c.kv (their float32 widening is exact, and what the truth is computed on).
 VariantInputs make_variant_inputs(const VariantCase& c, uint64_t seed) {
   manual_seed(seed);
   const DecodeVariant& var = decode_variants()[c.variant];
-  const int64_t B = c.S >= 5000 ? 1 : 2, Hq = 2 * c.group;
+  const int64_t B = variant_batch(c), Hq = 2 * c.group;
   VariantInputs in;
   in.q = randn({B, Hq, c.L, c.E});
   in.k = randn({B, 2, c.S, c.E}).to(c.kv);
@@ -512,7 +514,10 @@ TEST_P(DecodeVariants, SameBitsForOneTwoAndThreeThreads) {
 
 INSTANTIATE_TEST_SUITE_P(Sweep, DecodeVariants, testing::ValuesIn(variant_sweep()),
                          [](const testing::TestParamInfo<VariantCase>& info) {
-                           return "case" + std::to_string(info.index) + "_" + decode_variants()[info.param.variant].name;
+                           const VariantCase& c = info.param;
+                           const int64_t work = variant_batch(c) * 2 * c.group * c.L * c.S * 2 * c.E;
+                           return "case" + std::to_string(info.index) + "_" + decode_variants()[c.variant].name +
+                                  test::large_tag(work);
                          });
 
 // A row that sees no key (top-left window (0, 0) with S < L) has output 0 and LSE its sink, also

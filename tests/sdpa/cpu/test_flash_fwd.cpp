@@ -63,7 +63,7 @@ TEST_P(FlashForward, SameBitsForOneAndTwoThreads) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, FlashForward, testing::ValuesIn(sweep()),
-                         [](const testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+                         [](const testing::TestParamInfo<Case>& info) { return test::case_name(info.param, info.index); });
 
 // ---- behaviour beyond the sweep -----------------------------------------------------------------
 
