@@ -556,9 +556,10 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   // Four rows read in place (GQA group 4, one new token): the next step's scores during this
   // one's P.V (decode_pipeline.hpp); 16-bit rows widened to float32 only from E 128 (E 64
   // measured slower); bf16 queries on a bf16 cache (the dot unit) at every E (measured faster at
-  // 64 and 128).
-  if constexpr (W == 16 && T != KvType::kInt8) {
-    if (it0.R == kPipelinedRows && k_in_place && v_in_place && (T == KvType::kFloat32 || dot_k || p.Evp >= 128)) {
+  // 64 and 128). AVX2: float32 rows from E 128 (kPipelinedBuild; E 64 measured slower).
+  if constexpr (kPipelinedBuild<T>) {
+    if (it0.R == kPipelinedRows && k_in_place && v_in_place &&
+        (W == 8 ? p.Evp >= 128 : T == KvType::kFloat32 || dot_k || p.Evp >= 128)) {
       if (dot_k) {  // kchunk: unused by these rows
         if constexpr (kDotType) decode_pipelined<T, true>(p, kvs, its, order, modify, permuted_v, st, kchunk, q2_of);
       } else {

@@ -57,6 +57,17 @@ namespace attn::cpu::ATTN_SIMD_NS {
 // them with dot_rows4 (dot_rows4_tokens_bf16<2> with kDot).
 constexpr int64_t kPipelinedRows = 4;
 
+// The builds and caches this loop serves: AVX-512's but int8 (dequantised keys), and AVX2's
+// float32 from E 128 (its 16 registers hold a P.V tile's 12 accumulators, not a score's beside
+// them, so its rows are scored in a call, as AVX-512's float32 rows are). AVX2 on AMD Zen 3
+// (H_q 32, H_kv 8, S 8192, 2 threads, K/V from memory; `attn bench` alternating against the
+// unpipelined binary, medians of 12-16 pairs; identical outputs), time ratios pipelined / not:
+// E 128 0.85-0.95 (one thread, S 1024 rotating: 0.85-0.95; with K/V in the cache 1.01-1.20),
+// E 256 0.83 (in the cache 0.73); E 64 1.01 from memory but 1.16-1.6 in the cache, so E 64 stays
+// on decode_step.
+template <KvType T>
+constexpr bool kPipelinedBuild = (W == 16 && T != KvType::kInt8) || (W == 8 && T == KvType::kFloat32);
+
 // Whether ScoreFeed scores a key row inline (16-bit rows) or in a call (float32): see above.
 template <KvType T>
 constexpr bool kScoreInline = T != KvType::kFloat32;

@@ -103,18 +103,12 @@ inline bool any_zero_weight(const float* st, int64_t r0, int RT, int64_t nk) {
 // Paged float32 measured the same as two sweeps.
 template <KvType T, int RT, typename Tile>
 [[gnu::always_inline]] inline void by_col_tiles(int64_t Evp, Tile&& tile) {
-  // AVX2 (16 registers): 4 x 3 tiles, a remainder of 4 vectors as 2 + 2, as the prefill
-  // kernel's for_col_chunks.
-  constexpr int kCV = W >= 16 ? 4 : W == 8 ? 3 : 2;
   int64_t c0 = 0;
   if constexpr (RT == 1 && W >= 16 && T != KvType::kInt8) {
     for (; c0 + 8 * W <= Evp; c0 += 8 * W) tile.template operator()<8>(c0, false);
   }
-  for (; c0 + kCV * W <= Evp && !(kCV == 3 && Evp - c0 == 4 * W); c0 += kCV * W) tile.template operator()<kCV>(c0, true);
-  if constexpr (kCV == 3) {
-    for (; c0 + 2 * W <= Evp; c0 += 2 * W) tile.template operator()<2>(c0, true);
-  }
-  for (; c0 < Evp; c0 += W) tile.template operator()<1>(c0, true);
+  // The rest as the prefill kernel cuts its P.V (4 x 4 tiles, AVX2's 4 x 3, then 2 and 1).
+  for_col_chunks(c0, Evp, [&]<int CV>(int64_t c) { tile.template operator()<CV>(c, true); });
 }
 
 template <KvType T, int RT, bool kGuard, typename Hook>

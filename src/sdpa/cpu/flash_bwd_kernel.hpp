@@ -84,7 +84,7 @@ inline void rank_tile(const float* a, int64_t a_r, int64_t a_t, const float* b, 
 template <int RT, bool kGuard>
 inline void rank_rows(const float* a, int64_t a_r, int64_t a_t, const float* b, int64_t ldb,
                       int64_t T, int64_t n, float* out, int64_t ldo) {
-  for_col_chunks(n, [&]<int CV>(int64_t c) { rank_tile<RT, CV, kGuard>(a, a_r, a_t, b + c, ldb, T, out + c, ldo); });
+  for_col_chunks(0, n, [&]<int CV>(int64_t c) { rank_tile<RT, CV, kGuard>(a, a_r, a_t, b + c, ldb, T, out + c, ldo); });
 }
 
 // out (R x n) += A (R x T) @ b (T x n): rows in tiles of 4, then one at a time.

@@ -423,12 +423,12 @@ inline void pv_chunk(const float* st, const float* v, int64_t v_row, int64_t nk,
   }
 }
 
-// Calls f.operator()<CV>(c0) over columns [0, n) (n a multiple of W) in chunks of CV vectors:
-// kCV, then 2, then 1; with kCV = 3 a remainder of 4 vectors goes as 2 + 2 (a tile of one
-// vector has too few accumulators in flight). Each column's sums do not depend on the split.
+// Calls f.operator()<CV>(c0) over columns [c, n) (n - c a multiple of W) in chunks of CV
+// vectors: kCV, then 2, then 1; with kCV = 3 a remainder of 4 vectors goes as 2 + 2 (a tile of
+// one vector has too few accumulators in flight). Each column's sums do not depend on the split.
+// The decode kernel's P.V cuts its tiles with it too (decode_pv.hpp's by_col_tiles).
 template <class F>
-inline void for_col_chunks(int64_t n, F&& f) {
-  int64_t c = 0;
+[[gnu::always_inline]] inline void for_col_chunks(int64_t c, int64_t n, F&& f) {
   for (; c + kCV * W <= n && !(kCV == 3 && n - c == 4 * W); c += kCV * W) f.template operator()<kCV>(c);
   for (; c + 2 * W <= n; c += 2 * W) f.template operator()<2>(c);
   for (; c < n; c += W) f.template operator()<1>(c);
@@ -438,7 +438,7 @@ inline void for_col_chunks(int64_t n, F&& f) {
 template <bool kGuard>
 inline void pv_block(const float* st, const float* v, int64_t v_row, int64_t nk, int64_t evp,
                      float* ob) {
-  for_col_chunks(evp, [&]<int CV>(int64_t c0) { pv_chunk<CV, kGuard>(st, v, v_row, nk, evp, c0, ob); });
+  for_col_chunks(0, evp, [&]<int CV>(int64_t c0) { pv_chunk<CV, kGuard>(st, v, v_row, nk, evp, c0, ob); });
 }
 
 // Forward pass over one block of queries: writes b.o (nq x Ev) and, if asked, b.lse.
