@@ -246,9 +246,8 @@ TEST_P(Variants, LowPrecisionWithinTwiceTheRoundedFloat32Reference) {
 
 INSTANTIATE_TEST_SUITE_P(Sweep, Variants, testing::ValuesIn(variant_sweep()),
                          [](const testing::TestParamInfo<VCase>& info) {
-                           const Case& c = info.param.c;
                            return "case" + std::to_string(info.index) + "_" + variants()[info.param.variant].name +
-                                  test::large_tag(c.B * c.Hq * c.L * c.S * (c.E + c.Ev));
+                                  test::large_tag(test::case_work(info.param.c));
                          });
 
 // ---- 1. semantics: a naive float64 implementation of the definitions ---------------------------

@@ -124,8 +124,9 @@ inline void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
 // head dims, key splits), so the sanitizers still see each path.
 constexpr int64_t kLargeCaseWork = 10'000'000;
 inline std::string large_tag(int64_t work) { return work > kLargeCaseWork ? "_large" : ""; }
+inline int64_t case_work(const Case& c) { return c.B * c.Hq * c.L * c.S * (c.E + c.Ev); }
 inline std::string case_name(const Case& c, size_t index) {
-  return "case" + std::to_string(index) + large_tag(c.B * c.Hq * c.L * c.S * (c.E + c.Ev));
+  return "case" + std::to_string(index) + large_tag(case_work(c));
 }
 
 // The float32 fused kernels of the registry that this CPU runs: the sweeps force each by name
