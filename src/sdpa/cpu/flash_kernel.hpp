@@ -61,7 +61,8 @@ constexpr int kJT = W >= 16 ? 8 : 4; // keys per S^T register tile (2*kJT accumu
 // When E spans several chunks (scores_block): keys per tile, and whether the running totals
 // stay in registers (AVX-512: 7 keys, 14 accumulators + 14 totals) or in S^T itself (16
 // registers: totals in registers would leave 3 keys, 6 accumulators; Zen 3 measured 1.04-1.13x
-// faster with 4 keys and a load-add-store per chunk of 16).
+// faster with 4 keys and a load-add-store per chunk of 16; 5 or 6 keys that way, 10 or 12
+// accumulators, measured no faster in two sessions: at best 1.03x, at worst 1.4x slower).
 constexpr int kJTSum = W >= 16 ? 7 : W == 8 ? 4 : 3;
 constexpr bool kTotalsInSt = W == 8;
 // Vectors of Ev (P @ V) or of a rank update's columns per register tile of 4 rows: 4 x 4 or
