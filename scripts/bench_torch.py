@@ -221,7 +221,7 @@ def main() -> int:
     args = ap.parse_args()
     known = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     names = [d.strip() for d in args.dtypes.split(",")]
-    if not names or any(d not in known for d in names):
+    if any(d not in known for d in names):
         ap.error(f"--dtypes: expected float32 and/or bfloat16, got {args.dtypes!r}")
     dtypes = [known[d] for d in names]
     torch.set_num_threads(args.threads)
@@ -243,18 +243,17 @@ def main() -> int:
                                 "", *decode_rows(args, layers), DECODE_END])
     if args.quick:
         print(decode_section)
-    elif args.decode:
+    else:  # written before the training table, so a run stopped later keeps it
         args.output.write_text(splice(args.output.read_text(), DECODE_BEGIN, DECODE_END, decode_section))
-        print(f"wrote {args.output}")
-        return 0
+        if args.decode:
+            print(f"wrote {args.output}")
+            return 0
 
     lines = [f"{setup(args, layers)}, causal; median of {args.reps} interleaved rounds.",
              "",
              "| dtype | T | pass | attention: torch ms | attention: attn ms | attention speed-up "
              "| end to end: torch ms | end to end: attn ms | end-to-end speed-up |",
              "|---|---|---|---|---|---|---|---|---|"]
-    if not args.quick:  # the decoding table first, so a run stopped later keeps it
-        args.output.write_text(splice(args.output.read_text(), DECODE_BEGIN, DECODE_END, decode_section))
     for dtype in dtypes:
         model = make_model(dtype, layers)
         for T in seqs:
