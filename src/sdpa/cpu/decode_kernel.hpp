@@ -325,7 +325,12 @@ struct StepOrder {
 // S 8192, 2 threads, alternating call by call with it in one process (40-60 pairs a run), time
 // ratios at a read probe of ~48 / ~82 GB/s: bf16 queries E 64 0.93-0.96 / 0.78, E 128 0.78-0.82 /
 // 0.72, float32 queries E 64 0.86-0.92; K/V in the cache (S 1024) 0.76-0.81; pages of 16 and 64
-// tokens 0.72-0.88 (paged / contiguous 0.91-1.05, from 1.11-1.31).
+// tokens 0.72-0.88 (paged / contiguous 0.91-1.05, from 1.11-1.31). AVX2 took the general path
+// until: Zen 3, H 32/32, S 8192, 2 threads, against ggml call by call (bench_ggml.sh part 3, 60
+// pairs), ggml / attn from 0.88 / 0.86 (float32 E 128 / 64) and 0.93 / 1.18 (float16) to 1.06 /
+// 1.13 and 1.09 / 1.41; attn's own time ratio new / old (`attn bench`, alternating binaries, 5
+// pairs) 0.77 / 0.74 float32, 0.89 / 0.87 bf16; pages of 16 tokens (float32, E 128) 0.80-0.88,
+// the dense calls gaining more (paged / contiguous 1.10-1.13, from 1.01).
 struct DenseRows {
   const char *k, *v;  // the first key and value rows
   int64_t k_stride, v_stride;
@@ -361,24 +366,29 @@ template <KvType T, int CV, bool kDot>
   }
   for (int64_t u = nk; u < nkp; ++u) st[u] = kNegInf;
   online_softmax_row(st, nkp, it.m[0], it.l[0], it.acc, p.Evp);
-  // P.V, the next step's value rows prefetched as this one's are read (PvPrefetch's order).
+  // P.V, the next step's value rows prefetched as this one's are read (PvPrefetch's order), in
+  // passes of CV vectors of Ev (one pass with AVX-512; AVX2's 16 registers hold 8 accumulators, so
+  // Ev 128 takes two, the second reading its half rows from L2, where the step's prefetch put them).
   const bool guard = any_zero_weight(st, 0, 1, nk);  // a zero weight never multiplies a value
-  vf acc[CV];
-  for (int c = 0; c < CV; ++c) acc[c] = load(it.acc + c * W);
-  for (int64_t u = 0; u < nk; ++u) {
-    if (u < next_n) prefetch_lines<kVBytes>(next.value(u));
-    if (guard && st[u] == 0.0f) continue;
-    const char* row = cur.value(u);
-    const vf pb = splat(st[u]);
-    if constexpr (kPermutedV<T>) {
-      vf v[CV];
-      widen_permuted<CV>(row, v);
-      for (int c = 0; c < CV; ++c) acc[c] += pb * v[c];
-    } else {
-      for (int c = 0; c < CV; ++c) acc[c] += pb * load_as_float<T>(row, c * W);
+  for (int64_t c0 = 0; c0 < p.Evp; c0 += CV * W) {
+    const int64_t b0 = c0 * elem_size(T);
+    vf acc[CV];
+    for (int c = 0; c < CV; ++c) acc[c] = load(it.acc + c0 + c * W);
+    for (int64_t u = 0; u < nk; ++u) {
+      if (u < next_n) prefetch_lines<kVBytes>(next.value(u) + b0);
+      if (guard && st[u] == 0.0f) continue;
+      const char* row = cur.value(u) + b0;
+      const vf pb = splat(st[u]);
+      if constexpr (kPermutedV<T>) {
+        vf v[CV];
+        widen_permuted<CV>(row, v);
+        for (int c = 0; c < CV; ++c) acc[c] += pb * v[c];
+      } else {
+        for (int c = 0; c < CV; ++c) acc[c] += pb * load_as_float<T>(row, c * W);
+      }
     }
+    for (int c = 0; c < CV; ++c) store(it.acc + c0 + c * W, acc[c]);
   }
-  for (int c = 0; c < CV; ++c) store(it.acc + c * W, acc[c]);
 }
 
 // Dense K/V: the item's chunks in order.
@@ -497,10 +507,13 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
   if (j_begin >= j_end) return;
   // One query row per head, read in place, no variant on the scores: single_row_step. (Ev 64 or
   // 128 is a whole number of 32-element blocks, so permuted_v is kPermutedV<T> there.)
-  bool single_row = W == 16 && T != KvType::kInt8 && it0.R == 1 && k_in_place && v_in_place && !modify &&
-                    (p.Evp == 4 * W || p.Evp == 8 * W) && permuted_v == kPermutedV<T>;
+  // AVX2 (W 8): Ev 64 in one pass of 8 vectors, Ev 128 in two (single_row_step).
+  constexpr bool kSingleRowBuild = (W == 16 || W == 8) && T != KvType::kInt8;
+  bool single_row = kSingleRowBuild && it0.R == 1 && k_in_place && v_in_place && !modify &&
+                    (W == 16 ? p.Evp == 4 * W || p.Evp == 8 * W : p.Evp == 8 * W || p.Evp == 16 * W) &&
+                    permuted_v == kPermutedV<T>;
   for (int64_t h = 0; h < heads; ++h) single_row = single_row && its[h].mask[0] == nullptr;
-  if constexpr (W == 16 && T != KvType::kInt8) {
+  if constexpr (kSingleRowBuild) {
     if (single_row) {
       if (dot_k) {
         for (int64_t h = 0; h < heads; ++h) pack_query_pairs(its[h].q, 1, p.Ep, q2_of(h));
@@ -513,7 +526,7 @@ inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const Dec
         }
       };
       auto by_cv = [&]<bool kDot>() {
-        if (p.Evp == 4 * W) {
+        if (W == 16 && p.Evp == 4 * W) {
           run.template operator()<4, kDot>();
         } else {
           run.template operator()<8, kDot>();
