@@ -99,6 +99,17 @@ int wrap_dim(int dim, int ndim, const char* what) {
   }
   return dim < 0 ? dim + std::max(ndim, 1) : dim;
 }
+
+// Reading an element of a tensor without memory (default-constructed, or a result field that was
+// not asked for, e.g. SdpaResult::lse without need_lse) would dereference null: its shape is
+// 0-D, one element. An empty tensor (some extent 0) has nothing to read and passes.
+void require_data(const void* data, int64_t numel, const char* what) {
+  if (data == nullptr && numel != 0) {
+    throw ValueError(fmt::format("{}: the tensor is undefined (no memory: a default-constructed Tensor, or a "
+                                 "result field that was not requested, e.g. SdpaResult::lse without need_lse)",
+                                 what));
+  }
+}
 }  // namespace
 
 namespace {
@@ -163,6 +174,7 @@ bool TensorView::is_contiguous() const {
 }
 
 float& TensorView::at(std::initializer_list<int64_t> index) const {
+  require_data(data_, numel(), "at");
   if (static_cast<int>(index.size()) != dim()) {
     throw IndexError(fmt::format("at: {} indices given for a {}-D tensor", index.size(), dim()));
   }
@@ -180,6 +192,7 @@ float& TensorView::at(std::initializer_list<int64_t> index) const {
 }
 
 float TensorView::item() const {
+  require_data(data_, numel(), "item");
   if (numel() != 1) {
     throw ShapeError(fmt::format("item: expected a tensor with one element, got shape {}",
                                  shape_.str()));
@@ -333,6 +346,7 @@ void gather(const TensorView& v, void* out) {
 }  // namespace
 
 Tensor TensorView::contiguous() const {
+  require_data(data_, numel(), "contiguous");
   Tensor out = Tensor::empty(shape_, dtype_);
   switch (element_size()) {
     case 1: gather<uint8_t>(*this, out.raw_data()); break;
@@ -344,6 +358,7 @@ Tensor TensorView::contiguous() const {
 }
 
 Tensor TensorView::to(DType dtype) const {
+  require_data(data_, numel(), "to");
   if (dtype == dtype_) return contiguous();
   const Tensor src = is_contiguous() ? Tensor() : contiguous();
   const void* from = src.defined() ? src.raw_data() : data_;
@@ -353,6 +368,7 @@ Tensor TensorView::to(DType dtype) const {
 }
 
 std::vector<float> TensorView::to_vector() const {
+  require_data(data_, numel(), "to_vector");
   std::vector<float> v;
   v.reserve(static_cast<size_t>(numel()));
   if (dtype_ == DType::kFloat32) {
@@ -367,6 +383,7 @@ std::vector<float> TensorView::to_vector() const {
 }
 
 std::vector<double> TensorView::to_double_vector() const {
+  require_data(data_, numel(), "to_double_vector");
   std::vector<double> v;
   v.reserve(static_cast<size_t>(numel()));
   for_each_offset(*this, [&](int64_t off) { v.push_back(detail::element_as_double(data_, dtype_, off)); });

@@ -551,5 +551,28 @@ TEST(TensorView, NegativeStridesAreShapeErrorsNamingTheStrides) {
   EXPECT_THROW((void)TensorView(buf, Shape{1, 1}, Shape{-1, 1}), Error);
 }
 
+// Reading an undefined tensor (no memory: default-constructed, or a result field not asked for)
+// is a ValueError naming the call, not a null dereference; an empty one reads as empty.
+TEST(TensorView, ReadingAnUndefinedTensorIsValueError) {
+  const Tensor none;
+  ASSERT_FALSE(none.defined());
+  auto expect_named = [](auto&& call, const std::string& what) {
+    try {
+      call();
+      ADD_FAILURE() << what << " did not throw";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(what + ": the tensor is undefined"), std::string::npos) << e.what();
+    }
+  };
+  expect_named([&] { (void)none.to_vector(); }, "to_vector");
+  expect_named([&] { (void)none.to_double_vector(); }, "to_double_vector");
+  expect_named([&] { (void)none.item(); }, "item");
+  expect_named([&] { (void)none.at({}); }, "at");
+  expect_named([&] { (void)none.contiguous(); }, "contiguous");
+  expect_named([&] { (void)none.to(DType::kBFloat16); }, "to");
+  EXPECT_TRUE(Tensor::zeros({0, 3}).to_vector().empty());
+  EXPECT_TRUE(Tensor::zeros({2, 0}).to(DType::kBFloat16).to_double_vector().empty());
+}
+
 }  // namespace
 }  // namespace attn
