@@ -42,14 +42,18 @@ struct NoHook {
 
 // acc[r][c0 : c0 + CV*W] += sum_u P[r][u] * v_u[c0 : ...] for RT rows from r0, the tile in
 // registers over the chunk's tokens. With kGuard a zero weight is skipped, never multiplied.
+// No zero-trip path in the loop (nk = 0 returns first): as in the backward's rank_tile
+// (flash_bwd_kernel.hpp), GCC otherwise moved the AVX2 tile's accumulators through the stack.
 template <KvType T, int RT, int CV, bool kGuard, typename Hook = const NoHook>
 inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
                     int64_t Evp, float* acc, PvPrefetch pf, Hook& hook = NoHook{}) {
+  if (nk <= 0) return;
   vf a[RT][CV];
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
   }
-  for (int64_t u = 0; u < nk; ++u) {
+  int64_t u = 0;
+  do {
     if (u < pf.n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
     if (pf.l1 && u + kL1Ahead < nk) {
       prefetch_lines<CV * W * elem_size(T), 3>(static_cast<const char*>(vrows[u + kL1Ahead]) + c0 * elem_size(T));
@@ -65,7 +69,7 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
       for (int c = 0; c < CV; ++c) a[r][c] += pb * v[c];
     }
     hook();
-  }
+  } while (++u < nk);
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) store(acc + (r0 + r) * Evp + c0 + c * W, a[r][c]);
   }
