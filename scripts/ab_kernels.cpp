@@ -1,0 +1,205 @@
+// Two builds of the CPU kernels in one process, called alternately on the same inputs: the
+// ratio of each pair's times is immune to the slow drifts of a shared host (its caches' and
+// memory's share moves by a third between minutes on the project's VMs, which `attn bench` runs
+// in separate processes cannot tell from a kernel change). Built and run by ab_kernels.sh, which
+// compiles the kernel headers of two source trees into ab_tu.cpp objects, one per namespace;
+// kernel_a()/kernel_b() and decode_a()/decode_b() are theirs.
+//
+//   fwd    H L E CAUSAL PAIRS [THREADS]   forward_block over H heads of L queries and keys
+//   bwd    H L E CAUSAL PAIRS [THREADS]   backward_head over the same (whole key range)
+//   decode HKV R S E COPIES PAIRS [THREADS]  decode_split: HKV kv heads of S keys, R query rows
+//          each (GQA group x new tokens), K/V rotating among COPIES copies (1: from the caches)
+//
+// Prints the median time of each build, A's time over B's (median and quartiles of the per-pair
+// ratios: above 1, B is faster) and the largest difference between their outputs.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <omp.h>
+#include <pmmintrin.h>
+#include <xmmintrin.h>
+
+#include "sdpa/cpu/flash_isa.hpp"
+
+namespace attn::cpu {
+const FlashKernel& kernel_a();
+const FlashKernel& kernel_b();
+const DecodeKernel& decode_a();
+const DecodeKernel& decode_b();
+}  // namespace attn::cpu
+
+using namespace attn::cpu;
+using Vec = std::vector<float>;
+
+namespace {
+
+void flush_denormals() {  // as the library's drivers run the kernels (flush_denormals.hpp)
+  _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
+  _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
+}
+
+Vec randn(size_t n, std::mt19937& g) {
+  std::normal_distribution<float> nd;
+  Vec x(n);
+  for (float& y : x) y = nd(g);
+  return x;
+}
+
+double max_diff(const Vec& a, const Vec& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
+  return m;
+}
+
+// Calls call(w) for w = 0 (A) and 1 (B), `pairs` times each, alternating which goes first.
+template <class Call>
+void time_pairs(int pairs, Call call, double work, const char* unit, double out_diff) {
+  std::vector<double> ratio, t[2];
+  for (int i = 0; i < pairs; ++i) {
+    for (int s = 0; s < 2; ++s) {
+      const int w = (i + s) & 1;
+      const auto t0 = std::chrono::steady_clock::now();
+      call(w);
+      t[w].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    ratio.push_back(t[0].back() / t[1].back());
+  }
+  std::sort(ratio.begin(), ratio.end());
+  for (auto& x : t) std::sort(x.begin(), x.end());
+  const double ta = t[0][pairs / 2], tb = t[1][pairs / 2];
+  std::printf("A %.3f ms (%.2f %s)  B %.3f ms (%.2f %s)  A/B median %.3f, quartiles %.3f-%.3f, %d pairs  |  max |A - B| %.2e\n",
+              ta * 1e3, work / ta * 1e-9, unit, tb * 1e3, work / tb * 1e-9, unit, ratio[pairs / 2], ratio[pairs / 4],
+              ratio[3 * pairs / 4], pairs, out_diff);
+}
+
+int flash(bool backward, int argc, char** argv) {
+  if (argc < 7) return 2;
+  const int H = std::atoi(argv[2]), pairs = std::atoi(argv[6]), T = argc > 7 ? std::atoi(argv[7]) : 1;
+  const int64_t L = std::atoll(argv[3]), E = std::atoll(argv[4]);
+  const bool causal = std::atoi(argv[5]) != 0;
+  FlashBwdParams p;
+  p.L = p.S = L, p.E = p.Ev = E, p.q_row = p.k_row = p.v_row = p.o_row = E;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(E));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.causal = causal;
+  std::mt19937 g(1);
+  const size_t n = static_cast<size_t>(H * L * E);
+  const Vec q = randn(n, g), k = randn(n, g), v = randn(n, g), dout = randn(n, g);
+  Vec o[2] = {Vec(n), Vec(n)}, lse[2] = {Vec(H * L), Vec(H * L)};
+  Vec dq[2] = {Vec(n), Vec(n)}, dk[2] = {Vec(n), Vec(n)}, dv[2] = {Vec(n), Vec(n)};
+  const FlashKernel* K[2] = {&kernel_a(), &kernel_b()};
+  const int64_t ws_n = std::max({K[0]->workspace_floats(E, E), K[1]->workspace_floats(E, E),
+                                 K[0]->backward_workspace_floats(L, E, E), K[1]->backward_workspace_floats(L, E, E)});
+  std::vector<Vec> ws(static_cast<size_t>(T), Vec(static_cast<size_t>(ws_n)));
+  auto fwd = [&](int w) {
+    const int64_t bq = K[w]->block_q, nb = (L + bq - 1) / bq;
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * nb; ++item) {
+      flush_denormals();
+      const int64_t h = item / nb, i0 = item % nb * bq;
+      FlashBlock b{};
+      b.q = q.data() + (h * L + i0) * E, b.k = k.data() + h * L * E, b.v = v.data() + h * L * E;
+      b.o = o[w].data() + (h * L + i0) * E, b.lse = lse[w].data() + h * L + i0;
+      b.i0 = i0, b.nq = std::min(bq, L - i0), b.bh = h;
+      K[w]->forward(p, b, ws[static_cast<size_t>(omp_get_thread_num())].data());
+    }
+  };
+  fwd(0);
+  fwd(1);
+  const double fwd_diff = std::max(max_diff(o[0], o[1]), max_diff(lse[0], lse[1]));
+  Vec lse_e = lse[0];
+  for (float& x : lse_e) x *= 0.6931471805599453f;  // the backward takes the natural-log LSE
+  auto bwd = [&](int w) {
+    std::fill(dk[w].begin(), dk[w].end(), 0.0f);
+    std::fill(dv[w].begin(), dv[w].end(), 0.0f);
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
+    for (int64_t h = 0; h < H; ++h) {
+      flush_denormals();
+      FlashBwdHead hd{};
+      hd.q = q.data() + h * L * E, hd.k = k.data() + h * L * E, hd.v = v.data() + h * L * E;
+      hd.o = o[0].data() + h * L * E, hd.dout = dout.data() + h * L * E, hd.o_row = hd.do_row = E;
+      hd.lse = lse_e.data() + h * L;
+      hd.dq = dq[w].data() + h * L * E, hd.dk = dk[w].data() + h * L * E, hd.dv = dv[w].data() + h * L * E;
+      hd.bh = h, hd.j_begin = 0, hd.j_end = L;
+      K[w]->backward(p, hd, ws[static_cast<size_t>(omp_get_thread_num())].data());
+    }
+  };
+  double diff = fwd_diff;
+  if (backward) {
+    bwd(0);
+    bwd(1);
+    diff = std::max({max_diff(dq[0], dq[1]), max_diff(dk[0], dk[1]), max_diff(dv[0], dv[1])});
+  }
+  const double flops = (backward ? 10.0 : 4.0) * H * L * L * E / (causal ? 2.0 : 1.0);
+  std::printf("%s H %d L %lld E %lld%s, %d thread(s): ", backward ? "bwd" : "fwd", H, static_cast<long long>(L),
+              static_cast<long long>(E), causal ? " causal" : "", T);
+  time_pairs(pairs, [&](int w) { backward ? bwd(w) : fwd(w); }, flops, "GFLOP/s", diff);
+  return 0;
+}
+
+int decode(int argc, char** argv) {
+  if (argc < 8) return 2;
+  const int64_t Hkv = std::atoll(argv[2]), R = std::atoll(argv[3]), S = std::atoll(argv[4]), E = std::atoll(argv[5]);
+  const int copies = std::atoi(argv[6]), pairs = std::atoi(argv[7]), T = argc > 8 ? std::atoi(argv[8]) : 1;
+  DecodeParams p;
+  p.E = p.Ev = E, p.Ep = p.Evp = (E + 15) / 16 * 16;
+  p.scale_log2 = 1.4426950408889634f / std::sqrt(static_cast<float>(E));
+  std::mt19937 g(1);
+  std::vector<Vec> K, V;
+  for (int c = 0; c < copies; ++c) {
+    K.push_back(randn(static_cast<size_t>(Hkv * S * E), g));
+    V.push_back(randn(static_cast<size_t>(Hkv * S * E), g));
+  }
+  Vec q(static_cast<size_t>(Hkv * R * p.Ep), 0.0f);  // rows zero-padded to Ep, as the driver packs them
+  const Vec qr = randn(static_cast<size_t>(Hkv * R * E), g);
+  for (int64_t r = 0; r < Hkv * R; ++r) std::copy_n(qr.data() + r * E, E, q.data() + r * p.Ep);
+  const std::vector<int64_t> pos(static_cast<size_t>(R), 0);
+  const std::vector<const float*> mask(static_cast<size_t>(R), nullptr);
+  const int64_t part = R * (p.Evp + 2);
+  Vec out[2] = {Vec(static_cast<size_t>(Hkv * part)), Vec(static_cast<size_t>(Hkv * part))};
+  const DecodeKernel* D[2] = {&decode_a(), &decode_b()};
+  const int64_t ws_n = std::max(D[0]->workspace_floats(R, p.Ep, p.Evp, 1), D[1]->workspace_floats(R, p.Ep, p.Evp, 1));
+  std::vector<Vec> ws(static_cast<size_t>(T), Vec(static_cast<size_t>(ws_n)));
+  int copy = 0;
+  auto call = [&](int w) {
+    copy = (copy + 1) % copies;
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      flush_denormals();
+      DecodeKv kv;
+      kv.k = K[static_cast<size_t>(copy)].data() + h * S * E, kv.v = V[static_cast<size_t>(copy)].data() + h * S * E;
+      kv.k_row = kv.v_row = E, kv.S = S, kv.page_size = S;  // one page: the whole head, as the driver sets it
+      float* o = out[w].data() + h * part;
+      const DecodeItem it{q.data() + h * R * p.Ep, pos.data(), mask.data(), nullptr, R, 0, S, o, o + R, o + 2 * R};
+      D[w]->split(p, &kv, &it, 1, ws[static_cast<size_t>(omp_get_thread_num())].data());
+    }
+  };
+  call(0);
+  call(1);
+  std::printf("decode H_kv %lld, %lld rows each, S %lld, E %lld, %d K/V copies, %d thread(s): ", static_cast<long long>(Hkv),
+              static_cast<long long>(R), static_cast<long long>(S), static_cast<long long>(E), copies, T);
+  time_pairs(pairs, call, 2.0 * Hkv * S * E * sizeof(float), "GB/s of K/V", max_diff(out[0], out[1]));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  int rc = 2;
+  if (mode == "fwd" || mode == "bwd") rc = flash(mode == "bwd", argc, argv);
+  if (mode == "decode") rc = decode(argc, argv);
+  if (rc == 2) {
+    std::fprintf(stderr,
+                 "usage: ab_kernels fwd|bwd H L E CAUSAL PAIRS [THREADS]\n"
+                 "       ab_kernels decode H_KV ROWS S E COPIES PAIRS [THREADS]\n");
+  }
+  return rc;
+}

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Compares the float32 CPU kernels of two source trees in one process (scripts/ab_kernels.cpp):
+# each call of one build is paired with a call of the other on the same inputs, so the ratio of
+# their times is not moved by the host's drifts between runs, which on the project's shared VMs
+# are larger than most kernel changes (scripts/ab_bench.sh compares whole binaries run by run).
+#
+#   scripts/ab_kernels.sh [-i avx2|avx512|generic] REV_A REV_B -- MODE ARGS...
+#
+# REV is a git revision (its src/ is exported), `worktree` (the working tree's src/) or a
+# directory holding a src/ (an experiment's copy). MODE and ARGS are ab_kernels.cpp's:
+# `fwd|bwd H L E CAUSAL PAIRS [THREADS]` or `decode H_KV ROWS S E COPIES PAIRS [THREADS]`. e.g., a change to flash_kernel.hpp against HEAD:
+#   scripts/ab_kernels.sh HEAD worktree -- fwd 1 1024 64 0 201
+# The kernels are compiled as the library compiles its flash_<isa>.cpp (-O3, the ISA's flags);
+# the harness links the library for what the kernels call (Philox dropout): build it first
+# (scripts/build.sh; ATTN_BUILD_DIR, default build/). Nothing else may run on the machine meanwhile.
+set -euo pipefail
+
+isa=avx2
+if [[ "${1:-}" == "-i" ]]; then
+  isa="$2"
+  shift 2
+fi
+if [[ $# -lt 4 || "$3" != "--" ]]; then
+  echo "usage: $0 [-i avx2|avx512|generic] REV_A REV_B -- fwd|bwd|decode ARGS..." >&2
+  exit 2
+fi
+rev_a="$1" rev_b="$2"
+shift 3
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${ATTN_BUILD_DIR:-$root/build}"
+[[ -f "$build/libattn.a" ]] || { echo "ab_kernels.sh: no $build/libattn.a; run scripts/build.sh first" >&2; exit 2; }
+
+case "$isa" in
+  avx2) flags=(-mavx2 -mfma -mf16c) width=8 need=(avx2 fma f16c) ;;
+  avx512) flags=(-mavx512f -mavx512vl -mavx512dq -mfma) width=16 need=(avx512f avx512vl avx512dq fma) ;;
+  generic) flags=() width=4 need=() ;;
+  *) echo "ab_kernels.sh: unknown ISA $isa (avx2, avx512 or generic)" >&2; exit 2 ;;
+esac
+for f in "${need[@]}"; do
+  grep -qw "$f" /proc/cpuinfo || { echo "ab_kernels.sh: this CPU lacks $f, which the $isa build assumes" >&2; exit 2; }
+done
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+tree() {  # tree REV DIR: the revision's src/ under DIR
+  mkdir -p "$2"
+  if [[ "$1" == worktree ]]; then
+    cp -r "$root/src" "$2/"
+  elif [[ -d "$1/src" ]]; then
+    cp -r "$1/src" "$2/"
+  else
+    git -C "$root" archive "$1" src | tar -x -C "$2"
+  fi
+}
+tree "$rev_a" "$work/a"
+tree "$rev_b" "$work/b"
+common=(-O3 -DNDEBUG -std=c++20 -fopenmp -ffp-contract=fast -I"$root/include" "-DATTN_SIMD_WIDTH=$width" "${flags[@]}")
+g++ "${common[@]}" -I"$work/a/src" -DATTN_SIMD_NS=ab_a -DAB_KERNEL=kernel_a -DAB_DECODE=decode_a \
+  -c "$root/scripts/ab_tu.cpp" -o "$work/a.o" &
+g++ "${common[@]}" -I"$work/b/src" -DATTN_SIMD_NS=ab_b -DAB_KERNEL=kernel_b -DAB_DECODE=decode_b \
+  -c "$root/scripts/ab_tu.cpp" -o "$work/b.o"
+wait $!
+# The library's own dependencies (scripts/install-deps.sh installs them).
+g++ -O2 -std=c++20 -fopenmp -I"$root/src" -I"$root/include" "$root/scripts/ab_kernels.cpp" "$work/a.o" "$work/b.o" \
+  "$build/libattn.a" -lfmt -lopenblas -o "$work/ab_kernels"
+echo "A = $rev_a, B = $rev_b, $isa build ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'))"
+"$work/ab_kernels" "$@"
