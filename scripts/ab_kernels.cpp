@@ -167,9 +167,8 @@ int decode(int argc, char** argv) {
   const DecodeKernel* D[2] = {&decode_a(), &decode_b()};
   const int64_t ws_n = std::max(D[0]->workspace_floats(R, p.Ep, p.Evp, 1), D[1]->workspace_floats(R, p.Ep, p.Evp, 1));
   std::vector<Vec> ws(static_cast<size_t>(T), Vec(static_cast<size_t>(ws_n)));
-  int copy = 0;
-  auto call = [&](int w) {
-    copy = (copy + 1) % copies;
+  int next = 0;  // the copy the next timed call reads
+  auto run = [&](int w, int copy) {
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int64_t h = 0; h < Hkv; ++h) {
       flush_denormals();
@@ -181,11 +180,16 @@ int decode(int argc, char** argv) {
       D[w]->split(p, &kv, &it, 1, ws[static_cast<size_t>(omp_get_thread_num())].data());
     }
   };
-  call(0);
-  call(1);
+  run(0, 0);
+  run(1, 0);
   std::printf("decode H_kv %lld, %lld rows each, S %lld, E %lld, %d K/V copies, %d thread(s): ", static_cast<long long>(Hkv),
               static_cast<long long>(R), static_cast<long long>(S), static_cast<long long>(E), copies, T);
-  time_pairs(pairs, call, 2.0 * Hkv * S * E * sizeof(float), "GB/s of K/V", max_diff(out[0], out[1]));
+  const double diff = max_diff(out[0], out[1]);
+  auto call = [&](int w) {
+    next = (next + 1) % copies;
+    run(w, next);
+  };
+  time_pairs(pairs, call, 2.0 * Hkv * S * E * sizeof(float), "GB/s of K/V", diff);
   return 0;
 }
 

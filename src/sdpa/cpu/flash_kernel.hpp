@@ -109,7 +109,8 @@ inline vf exp2v(vf x) {
   // [-0.5, 0.5] (scripts/exp2_fit.py), one multiply-add fewer than the degree-7 Taylor series
   // it replaced; exactly 1 at f = 0. 2^x is within 1.13 ulp on [-126, 0] (tests/sdpa/cpu/
   // test_exp2.cpp checks 2). Measured against the Taylor form with its compare-and-blends, in
-  // one process (scripts/ab_kernels.sh, Zen 3, 1 thread, L 1024): forward 1.03-1.04x faster.
+  // one process (scripts/ab_kernels.sh, Zen 3, 1 thread, L 1024, the host quiet): forward
+  // 1.03-1.08x faster.
   vf g = splat(1.535335904918611e-04f);
   g = g * f + 1.3398876180872321e-03f;
   g = g * f + 9.6184369176626205e-03f;
