@@ -63,7 +63,8 @@ wait $!
 # Linked four ways: A's kernels first or B's, each behind 16 or 48 bytes of padding. Where a
 # build's code lands moves its speed (the same source in both namespaces measured A/B 0.89-0.98
 # linked one way and 1.11 the other, on Zen 3), so the layouts' medians are combined (their
-# geometric mean) and shown one by one: trust a difference that all four agree on.
+# geometric mean) and shown one by one. The spread is widest when a neighbour slows the host
+# (low absolute rates on every line): trust a difference that the layouts agree on when it is quiet.
 # The library's own dependencies (scripts/install-deps.sh installs them).
 g++ -O2 -std=c++20 -fopenmp -I"$root/src" -I"$root/include" -c "$root/scripts/ab_kernels.cpp" -o "$work/main.o"
 for pad in 16 48; do
