@@ -50,6 +50,7 @@ namespace attn::cpu::ATTN_SIMD_NS {
 constexpr int W = ATTN_SIMD_WIDTH;
 using vf = float __attribute__((vector_size(W * sizeof(float))));
 using vi = int32_t __attribute__((vector_size(W * sizeof(float))));
+using vu = uint32_t __attribute__((vector_size(W * sizeof(float))));
 
 // Register tiling per build, measured (docs/PERFORMANCE*.md): the FMA units need latency x
 // throughput = 8 independent accumulators on every x86 core seen (Zen 3/4/5, Sapphire Rapids),
@@ -118,10 +119,11 @@ inline vf exp2v(vf x) {
   g = g * f + 2.4022647738456726e-01f;
   g = g * f + 6.9314718246459961e-01f;
   const vf p = g * f + 1.0f;
-  // 2^n: t's bits are 0x4B400000 + n; shifted left by 23 only n's bits remain (mod 2^32).
-  vi tbits;
+  // 2^n: t's bits are 0x4B400000 + n; shifted left by 23 only n's bits remain (mod 2^32, in
+  // unsigned lanes so that the wrap-around, and a NaN's bits, are defined).
+  vu tbits;
   std::memcpy(&tbits, &t, sizeof tbits);
-  const vi bits = (tbits << 23) + (127 << 23);
+  const vu bits = (tbits << 23) + (127u << 23);
   vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
