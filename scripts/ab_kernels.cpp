@@ -23,10 +23,9 @@
 #include <vector>
 
 #include <omp.h>
-#include <pmmintrin.h>
-#include <xmmintrin.h>
 
 #include "sdpa/cpu/flash_isa.hpp"
+#include "sdpa/cpu/flush_denormals.hpp"
 
 namespace attn::cpu {
 const FlashKernel& kernel_a();
@@ -39,11 +38,6 @@ using namespace attn::cpu;
 using Vec = std::vector<float>;
 
 namespace {
-
-void flush_denormals() {  // as the library's drivers run the kernels (flush_denormals.hpp)
-  _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
-  _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
-}
 
 Vec randn(size_t n, std::mt19937& g) {
   std::normal_distribution<float> nd;
@@ -102,7 +96,7 @@ int flash(bool backward, int argc, char** argv) {
     const int64_t bq = K[w]->block_q, nb = (L + bq - 1) / bq;
 #pragma omp parallel for num_threads(T) schedule(dynamic, 1)
     for (int64_t item = 0; item < H * nb; ++item) {
-      flush_denormals();
+      const FlushDenormals ftz;  // as the library's drivers run the kernels
       const int64_t h = item / nb, i0 = item % nb * bq;
       FlashBlock b{};
       b.q = q.data() + (h * L + i0) * E, b.k = k.data() + h * L * E, b.v = v.data() + h * L * E;
@@ -121,7 +115,7 @@ int flash(bool backward, int argc, char** argv) {
     std::fill(dv[w].begin(), dv[w].end(), 0.0f);
 #pragma omp parallel for num_threads(T) schedule(dynamic, 1)
     for (int64_t h = 0; h < H; ++h) {
-      flush_denormals();
+      const FlushDenormals ftz;  // as the library's drivers run the kernels
       FlashBwdHead hd{};
       hd.q = q.data() + h * L * E, hd.k = k.data() + h * L * E, hd.v = v.data() + h * L * E;
       hd.o = o[0].data() + h * L * E, hd.dout = dout.data() + h * L * E, hd.o_row = hd.do_row = E;
@@ -171,7 +165,7 @@ int decode(int argc, char** argv) {
   auto run = [&](int w, int copy) {
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int64_t h = 0; h < Hkv; ++h) {
-      flush_denormals();
+      const FlushDenormals ftz;  // as the library's drivers run the kernels
       DecodeKv kv;
       kv.k = K[static_cast<size_t>(copy)].data() + h * S * E, kv.v = V[static_cast<size_t>(copy)].data() + h * S * E;
       kv.k_row = kv.v_row = E, kv.S = S, kv.page_size = S;  // one page: the whole head, as the driver sets it
