@@ -101,7 +101,7 @@ inline void dot_scores_tokens4(const uint32_t* q2, int64_t words, int64_t R, int
   const int64_t R4 = R / 4 * 4;
   for (int64_t r0 = 0; r0 < R4; r0 += 4) dot_scores_rows4_tokens4(q2, words, r0, E, k, s, st);
   // The other rows: dot_row_bf16's sums (same order, same bits) for the four keys, reduced
-  // together, as scores_tokens4 does.
+  // together, as scores_group does.
   for (int64_t r = R4; r < R; ++r) {
     const uint32_t* qr = q2 + r * words;
     __m512 a0[4], a1[4];

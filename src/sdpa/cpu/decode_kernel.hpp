@@ -20,9 +20,10 @@
 //   kwide (Ep), vwide (kDecodeChunk, Evp): widened rows, only for a head dim that is not a
 //         multiple of 16 (others are read in place, 16-bit and int8 widened in registers)
 // Scores: each key row is loaded once and dotted with four query rows at a time, the four
-// sums reduced together (hsum4); with 4 <= R < W, four key rows at a time as well, so a query
-// vector is loaded once per four tokens (AVX-512: 16 sums share one reduction, hsum16; AVX2: by
-// pairs of tokens, 8 accumulators); with R >= W, rows in lanes (scores_lanes); with R < 4, token by token (key rows in memory order).
+// sums reduced together (hsum4); with 4 <= R < W, kScoreGroup key rows at a time as well, so a
+// query vector is loaded once per group (AVX-512: four tokens, 16 sums share one reduction,
+// hsum16; AVX2: three tokens, 12 accumulators); with R >= W, rows in lanes (scores_lanes); with
+// R < 4, token by token (key rows in memory order).
 // One query row per kv head (no GQA, L = 1) takes a straight-line copy of a step
 // (single_row_step), its rows addressed as base + u * stride: a paged cache's by steps that never
 // cross a page (decode_single_row_paged). P.V: register tiles of up to 4 rows x 4 vectors of Ev over the
@@ -234,14 +235,15 @@ template <KvType T>
     } else if (lanes) {  // gather the chunk's rows; the scores follow, all at once
       kf[u] = T == KvType::kFloat32 && k_in_place ? reinterpret_cast<const float*>(kr[u])
                                                   : widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
-    } else if (kScoresByFour) {  // by four tokens, as their rows arrive
+    } else if (kScoresByGroup) {  // by kScoreGroup tokens, as their rows arrive
+      constexpr int64_t g = kScoreGroup - 1;  // the group's first token is u - g
       if (k_in_place) {
-        if (u % 4 == 3) scores_tokens4<T>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
+        if (u % kScoreGroup == g) scores_group<T>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kr + u - g), kscale + u - g, st + u - g);
       } else {
         kf[u] = widen_row<T>(kr[u], p.E, p.Ep, kchunk + u * p.Ep);
-        if (u % 4 == 3) {
-          scores_tokens4<KvType::kFloat32>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kf + u - 3),
-                                           kscale + u - 3, st + u - 3);
+        if (u % kScoreGroup == g) {
+          scores_group<KvType::kFloat32>(it.q, it.R, p.Ep, reinterpret_cast<const void* const*>(kf + u - g),
+                                         kscale + u - g, st + u - g);
         }
       }
     } else if (k_in_place) {
@@ -256,8 +258,8 @@ template <KvType T>
     for (int64_t u = nk / 4 * 4; u < nk; ++u) dot_scores_token(q2, words, it.R, p.E, kr[u], kscale[u], st + u);
   } else if (lanes) {
     scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
-  } else if (kScoresByFour) {  // the last nk % 4 tokens
-    for (int64_t u = nk / 4 * 4; u < nk; ++u) {
+  } else if (kScoresByGroup) {  // the last nk % kScoreGroup tokens
+    for (int64_t u = nk / kScoreGroup * kScoreGroup; u < nk; ++u) {
       if (k_in_place) {
         scores_token<T>(it.q, it.R, p.Ep, kr[u], kscale[u], st + u);
       } else {

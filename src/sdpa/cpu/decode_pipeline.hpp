@@ -31,7 +31,7 @@
 // or without L1 prefetches of the keys, with 16-48 rows of prefetch lead). The cause of the slow
 // probe's loss is not found. 16-bit E 64 with float32 queries stays on decode_step (pipelined and
 // inline, 1.20-1.24x there with K/V in the LLC).
-// The arithmetic and its order are decode_step's (dot_rows4 gives the bits scores_tokens4 does),
+// The arithmetic and its order are decode_step's (dot_rows4 gives the bits scores_group does),
 // so the results are the same bits (compared against decode_step's on 10 shapes, float32 and
 // 16-bit, windows included; and byte for byte against the four-token form on 3264 decode calls).
 // The cost: a second (R, kDecodeChunk) score buffer.

@@ -1,9 +1,9 @@
 // The split-KV decode kernel's scores (decode_kernel.hpp): st[r * kDecodeChunk + u] = s_u * (q_r .
 // k_u) for an item's R query rows (float32, (R, Ep)) and a chunk's key rows of the cache's type,
 // and the score modifiers (softcap, ALiBi). Which form a step takes depends on R (decode_step):
-// token by token for R < 4 (dot_row), four rows x four tokens per register tile for 4 <= R < W
-// (scores_tokens4, AVX-512), rows in lanes for R >= W (scores_chunk_lanes). Each form sums E in
-// the same order per row (two accumulators, then a halving tree of lanes), so a row's score has
+// token by token for R < 4 (dot_row), four rows x kScoreGroup tokens per register tile for
+// 4 <= R < W (scores_group: four tokens on AVX-512, three on AVX2), rows in lanes for R >= W
+// (scores_chunk_lanes). Each form sums E in the same order per row (two accumulators, then a halving tree of lanes), so a row's score has
 // the same bits whichever form computed it. Included by decode_kernel.hpp inside its per-ISA
 // namespace.
 #pragma once
@@ -153,7 +153,8 @@ inline void scores_token(const float* q, int64_t R, int64_t Ep, const void* k, f
 // 6 alternating rounds): 2.43 ms against 2.45 from memory, beyond noise nowhere, while from cache
 // (H_q 4, H_kv 1, S 1024, 1 thread) it took 0.052 ms against 0.034 (40 loads per 32 FMAs and a
 // reduction per token; with three query rows held in registers, 0.038).
-constexpr bool kScoresByFour = true;
+constexpr bool kScoresByGroup = true;
+constexpr int kScoreGroup = 4;  // tokens per call of scores_group
 
 inline __m512 to_m512(vf x) {
   __m512 r;
@@ -189,8 +190,8 @@ inline void store_scores4x4(const vf (&acc)[4][4], const float* s, float* out) {
 
 // st[r * kDecodeChunk + t] = s[t] * (q_r . k_t) for rows [r0, r0 + 4) and four key rows of type T.
 template <KvType T>
-inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const void* const* k,
-                                 const float* s, float* st) {
+inline void scores_rows4_group(const float* q, int64_t r0, int64_t Ep, const void* const* k, const float* s,
+                               float* st) {
   vf acc[4][4] = {};
   for (int64_t e = 0; e < Ep; e += W) {
     vf kv[4];
@@ -204,44 +205,47 @@ inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const v
 }
 
 #elif ATTN_SIMD_WIDTH == 8
-// AVX2, 4 <= R: four tokens as two pairs. Four rows x four tokens would need 16 accumulators,
-// all of AVX2's registers; a pair keeps 8 (the FMA units' latency x throughput) beside two key
-// and one query vector: per step of E 2 key loads and 4 query loads for 8 FMAs, where
-// dot_rows4 token by token does 5 loads for 4 FMAs in 4 dependent chains. Each score is one
-// accumulator over E reduced by hsum4, so it has the bits dot_rows4 gives it.
-constexpr bool kScoresByFour = true;
+// AVX2, 4 <= R: three tokens x four rows per register tile, 12 accumulators beside three key
+// vectors and one query vector (all 16 registers): per step of E 3 key and 4 query loads feed
+// 12 FMAs. Four tokens x four rows would need 16 accumulators alone; two pairs of tokens (the
+// form before) load each query vector twice as often (6 loads per 8 FMAs), and the loads, not
+// the FMAs, bound them. Zen 3, float32, 4 rows, K/V in L2 (H_kv 1, S 256-512, 1 thread,
+// scripts/ab_kernels.sh, 4 link layouts of 501 pairs, identical outputs), time ratios three /
+// two-pair: E 128 0.85 (decode_step's path: 1.18x faster), E 64 0.91; from memory (H_kv 8,
+// S 8192, 2 threads) 1.00 at E 64, where the read bounds both. Each score is one accumulator
+// over E reduced by hsum4, so it has the bits dot_rows4 gives it.
+constexpr bool kScoresByGroup = true;
+constexpr int kScoreGroup = 3;
 
 template <KvType T>
-inline void scores_rows4_tokens4(const float* q, int64_t r0, int64_t Ep, const void* const* k,
-                                 const float* s, float* st) {
-  for (int t0 = 0; t0 < 4; t0 += 2) {
-    vf acc[2][4] = {};
-    for (int64_t e = 0; e < Ep; e += W) {
-      const vf k0 = load_as_float<T>(k[t0], e), k1 = load_as_float<T>(k[t0 + 1], e);
-      for (int r = 0; r < 4; ++r) {
-        const vf qv = load(q + (r0 + r) * Ep + e);
-        acc[0][r] += qv * k0;
-        acc[1][r] += qv * k1;
-      }
+inline void scores_rows4_group(const float* q, int64_t r0, int64_t Ep, const void* const* k, const float* s,
+                               float* st) {
+  vf acc[3][4] = {};
+  for (int64_t e = 0; e < Ep; e += W) {
+    const vf k0 = load_as_float<T>(k[0], e), k1 = load_as_float<T>(k[1], e), k2 = load_as_float<T>(k[2], e);
+    for (int r = 0; r < 4; ++r) {
+      const vf qv = load(q + (r0 + r) * Ep + e);
+      acc[0][r] += qv * k0;
+      acc[1][r] += qv * k1;
+      acc[2][r] += qv * k2;
     }
-    for (int t = 0; t < 2; ++t) {
-      float d[4];
-      hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3], d);
-      for (int r = 0; r < 4; ++r) st[(r0 + r) * kDecodeChunk + t0 + t] = d[r] * s[t0 + t];
-    }
+  }
+  for (int t = 0; t < 3; ++t) {
+    float d[4];
+    hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3], d);
+    for (int r = 0; r < 4; ++r) st[(r0 + r) * kDecodeChunk + t] = d[r] * s[t];
   }
 }
 #endif
 
 #if ATTN_SIMD_WIDTH >= 8
-// Four tokens' scores for R < W rows: rows by four, the rest as scores_token does. k[t] are
-// rows of type T read in place, s[t] the token's scale (times scale_log2).
+// kScoreGroup tokens' scores for R < W rows: rows by four, the rest as scores_token does. k[t]
+// are rows of type T read in place, s[t] the token's scale (times scale_log2).
 template <KvType T>
-inline void scores_tokens4(const float* q, int64_t R, int64_t Ep, const void* const* k, const float* s,
-                           float* st) {
+inline void scores_group(const float* q, int64_t R, int64_t Ep, const void* const* k, const float* s, float* st) {
   const int64_t R4 = R / 4 * 4;
-  for (int64_t r0 = 0; r0 < R4; r0 += 4) scores_rows4_tokens4<T>(q, r0, Ep, k, s, st);
-  // The other rows (all of them without GQA: R = L): each against the four keys with dot_row's
+  for (int64_t r0 = 0; r0 < R4; r0 += 4) scores_rows4_group<T>(q, r0, Ep, k, s, st);
+  // The other rows (all of them without GQA: R = L): each against the group's keys with dot_row's
   // sums (two accumulators, the same order, so the same bits), the four reduced together
   // (hsum4), not one horizontal sum per token. Zen 4, float32, one query per head, K/V in the
   // cache (H 2, S 1024, 1 thread, medians of 6 alternating rounds): E 64 29.2-40.4 -> 26.6-32.1
@@ -253,24 +257,25 @@ inline void scores_tokens4(const float* q, int64_t R, int64_t Ep, const void* co
     int64_t e = 0;
     for (; e + 2 * W <= Ep; e += 2 * W) {
       const vf q0 = load(qr + e), q1 = load(qr + e + W);
-      for (int t = 0; t < 4; ++t) {
+      for (int t = 0; t < kScoreGroup; ++t) {
         a0[t] += q0 * load_as_float<T>(k[t], e);
         a1[t] += q1 * load_as_float<T>(k[t], e + W);
       }
     }
     if (e < Ep) {
       const vf q0 = load(qr + e);
-      for (int t = 0; t < 4; ++t) a0[t] += q0 * load_as_float<T>(k[t], e);
+      for (int t = 0; t < kScoreGroup; ++t) a0[t] += q0 * load_as_float<T>(k[t], e);
     }
     float d[4];
     hsum4(a0[0] + a1[0], a0[1] + a1[1], a0[2] + a1[2], a0[3] + a1[3], d);
-    for (int t = 0; t < 4; ++t) st[r * kDecodeChunk + t] = d[t] * s[t];
+    for (int t = 0; t < kScoreGroup; ++t) st[r * kDecodeChunk + t] = d[t] * s[t];
   }
 }
 #else
-constexpr bool kScoresByFour = false;
+constexpr bool kScoresByGroup = false;
+constexpr int kScoreGroup = 4;
 template <KvType T>
-inline void scores_tokens4(const float*, int64_t, int64_t, const void* const*, const float*, float*) {}
+inline void scores_group(const float*, int64_t, int64_t, const void* const*, const float*, float*) {}
 #endif
 
 // The score modifiers on one row's chunk of base-2 scores sr[0, nkp), in place and in the fused
