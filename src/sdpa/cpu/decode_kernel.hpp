@@ -33,9 +33,9 @@
 // Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
 // per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
 // reach the machine's bandwidth, so the score loop prefetches the key row kPrefetchAhead tokens
-// on, and the P.V tiles the next step's value rows as they go (PvPrefetch): each phase keeps
-// memory busy while it computes (a burst of prefetches at once stalls on the fill buffers
-// instead; measured).
+// on, and the P.V tiles the next step's value rows as they go (PvPrefetch; AVX2: in memory
+// order, spread evenly over the tiles' steps, PvOrder): each phase keeps memory busy while it
+// computes (a burst of prefetches at once stalls on the fill buffers instead; measured).
 //
 // Variants: per row and chunk, after the scale and in the fused forward's order, softcap
 // (c2 tanh(x / c2), softcap_v) then ALiBi (x -= slope2 |i' - j|, slope2 the row's own: the rows of
@@ -270,7 +270,10 @@ template <KvType T>
 
   finish_scores<T>(p, kv, it, modify, vs, c0, nk, st);
 
-  const PvPrefetch pf{next_v, next_n, true};  // values read in place: the L2 and the L1 prefetch
+  // Values read in place: the L2 prefetch of the next step's rows (in memory order on AVX2) and
+  // the L1 one of this step's.
+  PvOrder v_order(next_v, next_n, v_bytes, nk * pv_tile_count<T>(it.R, p.Evp));
+  const PvPrefetch pf{next_v, next_n, true, kPvInOrder && v_order.usable(next_n) ? &v_order : nullptr};
   if (permuted_v) {
     pv_chunk_permuted(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
   } else if (v_in_place) {

@@ -22,16 +22,54 @@ namespace attn::cpu::ATTN_SIMD_NS {
 // page's heads together, it gains there too (paged / contiguous, interleaved in one process:
 // float32 1.03-1.05 -> 1.00-1.04, bf16 1.17-1.20 -> 1.12-1.15). None for the keys: their L1
 // prefetch 4 or 8 rows on measured no better.
+//
+// AVX2 builds (kPvInOrder) prefetch the next chunk's values in memory order instead, row after row
+// and line after line, spread evenly over every step of every tile (PvOrder): on AMD Zen 3 the
+// tile order (the same few lines of each of the chunk's rows, then the next few) left the values
+// late. A stand-alone loop of the kernel's shape (scripts/decode_overlap.cpp: float32, 4 rows,
+// E 128, one thread, 2 MiB pages) ran in 5.8-6.2 ms on the real keys with stand-in values,
+// 9.2-9.9 on the real values as well, against 5.0 to read the same bytes alone; with the values
+// in memory order, 6.4-6.7 against 8.7-8.8. The kernel, scripts/ab_kernels.sh (4 link layouts,
+// identical outputs), 4 rows (the pipelined loop), time ratios old / new: from memory (H_kv 8,
+// S 8192, 2 threads) E 128 1.24, E 64 1.13; one thread 1.33; 8 rows (decode_step) 1.07; S 2048
+// x 2 copies (about the LLC) 1.13; but with K/V in the cache 0.86 (S 1024: in L3) and 0.85 (L2):
+// the schedule's bookkeeping in the tile loop, not the prefetches (0.85 with them removed).
+// Decoding reads each layer's cache once per token, from memory.
+struct PvOrder;
 struct PvPrefetch {
   const char* const* rows = nullptr;
   int64_t n = 0;
   bool l1 = false;
+  PvOrder* order = nullptr;  // set: the next chunk's rows in memory order, not tile by tile
 };
 constexpr int64_t kL1Ahead = 4;  // tokens; 8 measured the same
+constexpr bool kPvInOrder = W == 8;
 
-// The P.V prefetches a row tile starting at r0 makes: the next chunk's rows only by the first.
+// The next chunk's value rows (n rows of `row_lines` lines) as a list of line addresses in memory
+// order, for pv_tile to prefetch evenly over `steps` tile steps: q lines per step and one more on
+// rem of them (Bresenham), so the last step issues the last line. Even matters: two lines per step
+// (done two thirds of the way through the P.V at E 128) was 1.21x slower from memory
+// (ab_kernels.sh, H_kv 8, S 8192, 2 threads), memory idle in the last third.
+struct PvOrder {
+  static constexpr int64_t kMaxLines = 1024;  // a chunk of float32 rows up to E 256
+  const char* line[kMaxLines];
+  int64_t total = 0, steps, q, rem;
+  int64_t i = 0, acc = 0;  // the next line, the Bresenham accumulator
+  PvOrder(const char* const* rows, int64_t n, int64_t row_bytes, int64_t steps_) : steps(steps_ > 0 ? steps_ : 1) {
+    const int64_t row_lines = (row_bytes + 63) / 64;
+    if (n * row_lines > kMaxLines) n = 0;  // too many: usable() says so, the caller keeps the tile order
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t l = 0; l < row_lines; ++l) line[total++] = rows[r] + 64 * l;
+    }
+    q = total / steps, rem = total % steps;
+  }
+  bool usable(int64_t n) const { return n == 0 || total > 0; }
+};
+
+// The P.V prefetches a row tile starting at r0 makes: the next chunk's rows tile by tile only by
+// the first; in memory order by every tile (each tile step takes PvOrder's next lines).
 inline PvPrefetch for_row_tile(const PvPrefetch& pf, int64_t r0) {
-  return r0 == 0 ? pf : PvPrefetch{nullptr, 0, pf.l1};
+  return r0 == 0 ? pf : PvPrefetch{nullptr, 0, pf.l1, pf.order};
 }
 
 // What the P.V tiles call after each token: nothing, or another computation to interleave with
@@ -52,9 +90,7 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
   }
-  int64_t u = 0;
-  do {
-    if (u < pf.n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
+  auto token = [&](int64_t u) [[gnu::always_inline]] {
     if (pf.l1 && u + kL1Ahead < nk) {
       prefetch_lines<CV * W * elem_size(T), 3>(static_cast<const char*>(vrows[u + kL1Ahead]) + c0 * elem_size(T));
     }
@@ -69,7 +105,28 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
       for (int c = 0; c < CV; ++c) a[r][c] += pb * v[c];
     }
     hook();
-  } while (++u < nk);
+  };
+  int64_t u = 0;
+  if (pf.order != nullptr) {
+    PvOrder& o = *pf.order;  // its lines for this tile's steps
+    int64_t i = o.i, acc = o.acc;  // locals, so that they can live in registers
+    const int64_t q = o.q, rem = o.rem, steps = o.steps;
+    do {
+      token(u);
+      for (int64_t k = 0; k < q; ++k) __builtin_prefetch(o.line[i++], 0, kPrefetchLocality);
+      acc += rem;
+      if (acc >= steps) {
+        acc -= steps;
+        __builtin_prefetch(o.line[i++], 0, kPrefetchLocality);
+      }
+    } while (++u < nk);
+    o.i = i, o.acc = acc;
+  } else {
+    do {
+      if (u < pf.n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
+      token(u);
+    } while (++u < nk);
+  }
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) store(acc + (r0 + r) * Evp + c0 + c * W, a[r][c]);
   }
@@ -119,7 +176,7 @@ template <KvType T, int RT, bool kGuard, typename Hook>
 inline void pv_cols(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp,
                     float* acc, PvPrefetch pf, Hook& hook) {
   by_col_tiles<T, RT>(Evp, [&]<int CV>(int64_t c0, bool l1) {
-    pv_tile<T, RT, CV, kGuard>(st, vrows, nk, r0, c0, Evp, acc, PvPrefetch{pf.rows, pf.n, pf.l1 && l1}, hook);
+    pv_tile<T, RT, CV, kGuard>(st, vrows, nk, r0, c0, Evp, acc, PvPrefetch{pf.rows, pf.n, pf.l1 && l1, pf.order}, hook);
   });
 }
 
