@@ -90,7 +90,7 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
   for (int r = 0; r < RT; ++r) {
     for (int c = 0; c < CV; ++c) a[r][c] = load(acc + (r0 + r) * Evp + c0 + c * W);
   }
-  auto token = [&](int64_t u) [[gnu::always_inline]] {
+  auto token = [&](int64_t u) __attribute__((always_inline)) {  // ([[gnu::]] here: clang ignores it)
     if (pf.l1 && u + kL1Ahead < nk) {
       prefetch_lines<CV * W * elem_size(T), 3>(static_cast<const char*>(vrows[u + kL1Ahead]) + c0 * elem_size(T));
     }
@@ -108,7 +108,9 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
   };
   int64_t u = 0;
   if (pf.order != nullptr) {
-    PvOrder& o = *pf.order;  // its lines for this tile's steps
+    // PvOrder's lines for this tile's steps. Its `steps` counts every tile step of the chunk
+    // (pv_tile_count), so i ends at total with the last one and never passes it.
+    PvOrder& o = *pf.order;
     int64_t i = o.i, acc = o.acc;  // locals, so that they can live in registers
     const int64_t q = o.q, rem = o.rem, steps = o.steps;
     do {

@@ -3,9 +3,9 @@
 // and the score modifiers (softcap, ALiBi). Which form a step takes depends on R (decode_step):
 // token by token for R < 4 (dot_row), four rows x kScoreGroup tokens per register tile for
 // 4 <= R < W (scores_group: four tokens on AVX-512, three on AVX2), rows in lanes for R >= W
-// (scores_chunk_lanes). Each form sums E in the same order per row (two accumulators, then a halving tree of lanes), so a row's score has
-// the same bits whichever form computed it. Included by decode_kernel.hpp inside its per-ISA
-// namespace.
+// (scores_chunk_lanes). Each form sums E in the same order per row (two accumulators, then a
+// halving tree of lanes), so a row's score has the same bits whichever form computed it.
+// Included by decode_kernel.hpp inside its per-ISA namespace.
 #pragma once
 
 namespace attn::cpu::ATTN_SIMD_NS {
@@ -208,8 +208,8 @@ inline void scores_rows4_group(const float* q, int64_t r0, int64_t Ep, const voi
 // AVX2, 4 <= R: three tokens x four rows per register tile, 12 accumulators beside three key
 // vectors and one query vector (all 16 registers): per step of E 3 key and 4 query loads feed
 // 12 FMAs. Four tokens x four rows would need 16 accumulators alone; two pairs of tokens (the
-// form before) load each query vector twice as often (6 loads per 8 FMAs), and the loads, not
-// the FMAs, bound them. Zen 3, float32, 4 rows, K/V in L2 (H_kv 1, S 256-512, 1 thread,
+// form before) load each query vector once per pair (6 loads per 8 FMAs, 10 once GCC folded each
+// query load into both FMAs), and the loads, not the FMAs, bound them. Zen 3, float32, 4 rows, K/V in L2 (H_kv 1, S 256-512, 1 thread,
 // scripts/ab_kernels.sh, 4 link layouts of 501 pairs, identical outputs), time ratios three /
 // two-pair: E 128 0.85 (decode_step's path: 1.18x faster), E 64 0.91; from memory (H_kv 8,
 // S 8192, 2 threads) 1.00 at E 64, where the read bounds both. Each score is one accumulator
