@@ -272,7 +272,7 @@ template <KvType T>
 
   // Values read in place: the L2 prefetch of the next step's rows (in memory order on AVX2) and
   // the L1 one of this step's.
-  PvOrder v_order(next_v, next_n, v_bytes, nk * pv_tile_count<T>(it.R, p.Evp));
+  PvOrder v_order(next_v, kPvInOrder ? next_n : 0, v_bytes, nk * pv_tile_count<T>(it.R, p.Evp));
   const PvPrefetch pf{next_v, next_n, true, kPvInOrder && v_order.usable(next_n) ? &v_order : nullptr};
   if (permuted_v) {
     pv_chunk_permuted(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);

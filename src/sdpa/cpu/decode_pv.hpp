@@ -63,6 +63,8 @@ struct PvOrder {
     }
     q = total / steps, rem = total % steps;
   }
+  // Whether it holds the n rows it was asked for (builds without kPvInOrder ask for none, so that
+  // they build no list: then not usable, and the caller keeps the tile order).
   bool usable(int64_t n) const { return n == 0 || total > 0; }
 };
 
