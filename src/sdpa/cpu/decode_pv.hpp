@@ -54,7 +54,7 @@ struct PvOrder {
   static constexpr int64_t kMaxLines = 1024;  // a chunk of float32 rows up to E 256
   const char* line[kMaxLines];
   int64_t total = 0, steps, q, rem;
-  int64_t i = 0, acc = 0;  // the next line, the Bresenham accumulator
+  int64_t i = 0, err = 0;  // the next line, the Bresenham error term
   PvOrder(const char* const* rows, int64_t n, int64_t row_bytes, int64_t steps_) : steps(steps_ > 0 ? steps_ : 1) {
     const int64_t row_lines = (row_bytes + 63) / 64;
     if (n * row_lines > kMaxLines) n = 0;  // too many: usable() says so, the caller keeps the tile order
@@ -113,18 +113,18 @@ inline void pv_tile(const float* st, const void* const* vrows, int64_t nk, int64
     // PvOrder's lines for this tile's steps. Its `steps` counts every tile step of the chunk
     // (pv_tile_count), so i ends at total with the last one and never passes it.
     PvOrder& o = *pf.order;
-    int64_t i = o.i, acc = o.acc;  // locals, so that they can live in registers
+    int64_t i = o.i, err = o.err;  // locals, so that they can live in registers
     const int64_t q = o.q, rem = o.rem, steps = o.steps;
     do {
       token(u);
       for (int64_t k = 0; k < q; ++k) __builtin_prefetch(o.line[i++], 0, kPrefetchLocality);
-      acc += rem;
-      if (acc >= steps) {
-        acc -= steps;
+      err += rem;
+      if (err >= steps) {
+        err -= steps;
         __builtin_prefetch(o.line[i++], 0, kPrefetchLocality);
       }
     } while (++u < nk);
-    o.i = i, o.acc = acc;
+    o.i = i, o.err = err;
   } else {
     do {
       if (u < pf.n) prefetch_lines<CV * W * elem_size(T)>(pf.rows[u] + c0 * elem_size(T));
