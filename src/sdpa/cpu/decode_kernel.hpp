@@ -33,9 +33,10 @@
 // Memory traffic: K and V stream through once per kv head, (E + Ev) * S * sizeof(element) bytes
 // per item, the whole cost of decoding. One core's demand loads keep too few lines in flight to
 // reach the machine's bandwidth, so the score loop prefetches the key row kPrefetchAhead tokens
-// on, and the P.V tiles the next step's value rows as they go (PvPrefetch; AVX2: in memory
-// order, spread evenly over the tiles' steps, PvOrder): each phase keeps memory busy while it
-// computes (a burst of prefetches at once stalls on the fill buffers instead; measured).
+// on (rows in lanes: the score tiles the next step's key rows, four per tile, KeyPrefetch), and
+// the P.V tiles the next step's value rows as they go (PvPrefetch; AVX2: in memory order, spread
+// evenly over the tiles' steps, PvOrder): each phase keeps memory busy while it computes (a
+// burst of prefetches at once stalls on the fill buffers instead; measured).
 //
 // Variants: per row and chunk, after the scale and in the fused forward's order, softcap
 // (c2 tanh(x / c2), softcap_v) then ALiBi (x -= slope2 |i' - j|, slope2 the row's own: the rows of
@@ -227,8 +228,11 @@ template <KvType T>
       for (int64_t r = 0; r < it.R; ++r) st[r * kDecodeChunk + u] = dot_row<T>(it.q + r * p.Ep, kr[u], p.Ep) * kscale[u];
     }
   }
+  // With rows in lanes the scores prefetch the next chunk's keys as they go; here only the first
+  // step's own.
+  const int64_t k_ahead = lanes ? (first_step ? nk : 0) : nk + next_n;
   for (int64_t u = 0; u < (token_by_token ? 0 : nk); ++u) {
-    prefetch_token(kr, nk + next_n, u, k_bytes, prefetch_v ? vr[u] : nullptr, v_bytes);
+    prefetch_token(kr, k_ahead, u, k_bytes, prefetch_v ? vr[u] : nullptr, v_bytes);
     const float s = kscale[u];
     if (dot_k) {
       if (u % 4 == 3) dot_scores_tokens4(q2, words, it.R, p.E, reinterpret_cast<const void* const*>(kr + u - 3), kscale + u - 3, st + u - 3);
@@ -257,7 +261,7 @@ template <KvType T>
   } else if (dot_k) {  // the last nk % 4 tokens
     for (int64_t u = nk / 4 * 4; u < nk; ++u) dot_scores_token(q2, words, it.R, p.E, kr[u], kscale[u], st + u);
   } else if (lanes) {
-    scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st);
+    scores_chunk_lanes(qt, Rp, kf, kscale, nk, p.E, st, KeyPrefetch{kr + nk, next_n, k_bytes});
   } else if (kScoresByGroup) {  // the last nk % kScoreGroup tokens
     for (int64_t u = nk / kScoreGroup * kScoreGroup; u < nk; ++u) {
       if (k_in_place) {
@@ -272,8 +276,9 @@ template <KvType T>
 
   // Values read in place: the L2 prefetch of the next step's rows (in memory order on AVX2) and
   // the L1 one of this step's.
-  PvOrder v_order(next_v, kPvInOrder ? next_n : 0, v_bytes, nk * pv_tile_count<T>(it.R, p.Evp));
-  const PvPrefetch pf{next_v, next_n, true, kPvInOrder && v_order.usable(next_n) ? &v_order : nullptr};
+  PvOrder v_order;
+  const PvPrefetch pf = plan_value_prefetch(v_order, next_v, next_n, v_bytes, nk, pv_tile_count<T>(it.R, p.Evp),
+                                            kPvInOrder && !permuted_v);
   if (permuted_v) {
     pv_chunk_permuted(st, reinterpret_cast<const void* const*>(vr), nk, it.R, p.Evp, it.acc, pf);
   } else if (v_in_place) {

@@ -185,8 +185,8 @@ void decode_pipelined(const DecodeParams& p, const DecodeKv* kvs, const DecodeIt
     ScoreFeed<T, kDot> feed{fq, p.Ep, p.E, words, kwin, s1.nk, s1.nk + s2.nk, k_bytes, p.scale_log2, nxt, 1, 1};
     // The hook runs s.nk * tiles times; with kDot each feed scores two rows.
     if (s1.nk > 0) feed.every = feed.countdown = std::max<int64_t>(1, (kDot ? 2 : 1) * s.nk * tiles / s1.nk);
-    PvOrder v_order(vrows[1 - v], kPvInOrder && !permuted_v ? s1.nk : 0, v_bytes, s.nk * tiles);
-    const PvPrefetch pf{vrows[1 - v], s1.nk, true, kPvInOrder && !permuted_v && v_order.usable(s1.nk) ? &v_order : nullptr};
+    PvOrder v_order;
+    const PvPrefetch pf = plan_value_prefetch(v_order, vrows[1 - v], s1.nk, v_bytes, s.nk, tiles, kPvInOrder && !permuted_v);
     const auto* vr = reinterpret_cast<const void* const*>(vrows[v]);
     if (permuted_v) {
       pv_chunk_permuted(cur, vr, s.nk, R, p.Evp, its[s.h].acc, pf, feed);

@@ -34,7 +34,11 @@ namespace attn::cpu::ATTN_SIMD_NS {
 // S 8192, 2 threads) E 128 1.24, E 64 1.13; one thread 1.33; 8 rows (decode_step) 1.07; S 2048
 // x 2 copies (about the LLC) 1.13; but with K/V in the cache 0.86 (S 1024: in L3) and 0.85 (L2):
 // the schedule's bookkeeping in the tile loop, not the prefetches (0.85 with them removed).
-// Decoding reads each layer's cache once per token, from memory.
+// Decoding reads each layer's cache once per token, from memory. AVX-512 builds keep the tile
+// order: a float32 row of E 128 is two tiles there (four on AVX2), and on AMD Zen 5 (the same
+// ab_kernels.sh runs, -i avx512, 2 threads from memory, read probe ~46 GB/s) memory order
+// measured 0.98-1.04 at 4 rows E 128 (1.01 between two identical builds), 1.03-1.08 on one
+// thread, 1.05-1.07 at 8 rows: within the noise where decoding runs.
 struct PvOrder;
 struct PvPrefetch {
   const char* const* rows = nullptr;
@@ -53,20 +57,27 @@ constexpr bool kPvInOrder = W == 8;
 struct PvOrder {
   static constexpr int64_t kMaxLines = 1024;  // a chunk of float32 rows up to E 256
   const char* line[kMaxLines];
-  int64_t total = 0, steps, q, rem;
+  int64_t total = 0, steps = 1, q = 0, rem = 0;
   int64_t i = 0, err = 0;  // the next line, the Bresenham error term
-  PvOrder(const char* const* rows, int64_t n, int64_t row_bytes, int64_t steps_) : steps(steps_ > 0 ? steps_ : 1) {
-    const int64_t row_lines = (row_bytes + 63) / 64;
-    if (n * row_lines > kMaxLines) n = 0;  // too many: usable() says so, the caller keeps the tile order
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t l = 0; l < row_lines; ++l) line[total++] = rows[r] + 64 * l;
-    }
-    q = total / steps, rem = total % steps;
-  }
-  // Whether it holds the n rows it was asked for (builds without kPvInOrder ask for none, so that
-  // they build no list: then not usable, and the caller keeps the tile order).
-  bool usable(int64_t n) const { return n == 0 || total > 0; }
 };
+
+// The prefetch of the next chunk's value rows (n rows of row_bytes at `rows`) for the P.V of this
+// chunk's nk tokens in `tiles` tiles: in memory order through `order` where `in_order`, the
+// tiles are more than one (one tile's order is memory order already: the list only costs time,
+// 0.93-0.95x in an AVX-512 build given it, Zen 5, E 64, 4 rows) and the list can hold the rows;
+// else tile by tile.
+inline PvPrefetch plan_value_prefetch(PvOrder& order, const char* const* rows, int64_t n, int64_t row_bytes,
+                                      int64_t nk, int64_t tiles, bool in_order) {
+  const PvPrefetch by_tiles{rows, n, true, nullptr};
+  const int64_t row_lines = (row_bytes + 63) / 64;
+  if (!in_order || tiles < 2 || n * row_lines > PvOrder::kMaxLines) return by_tiles;
+  order.steps = nk * tiles > 0 ? nk * tiles : 1;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t l = 0; l < row_lines; ++l) order.line[order.total++] = rows[r] + 64 * l;
+  }
+  order.q = order.total / order.steps, order.rem = order.total % order.steps;
+  return PvPrefetch{rows, n, true, &order};
+}
 
 // The P.V prefetches a row tile starting at r0 makes: the next chunk's rows tile by tile only by
 // the first; in memory order by every tile (each tile step takes PvOrder's next lines).

@@ -72,6 +72,54 @@ inline float dot_row(const float* q, const void* k, int64_t Ep) {
   return hsum(a0 + a1);
 }
 
+// Four tokens' scores of W rows (a vector per token, rows in lanes) into st's (row, token)
+// layout: st[l * kDecodeChunk + t] = a_t[l]. A 4 x 4 transpose in each 128-bit group of lanes,
+// then one 16-byte store per row. Lane by lane (W scalar extracts and stores per token) this was
+// a quarter of the scores' time: a stand-alone loop of the 4-token x 32-row tile (Zen 5, E 128,
+// K in L1, one thread) ran at 152 GFLOP/s that way, 200 this way, 197 with no write-back at all.
+#if ATTN_SIMD_WIDTH == 16
+inline void store_tokens4(vf a0, vf a1, vf a2, vf a3, float* st) {
+  using v4 = float __attribute__((vector_size(16)));
+  const vf lo01 = __builtin_shufflevector(a0, a1, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+  const vf hi01 = __builtin_shufflevector(a0, a1, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  const vf lo23 = __builtin_shufflevector(a2, a3, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+  const vf hi23 = __builtin_shufflevector(a2, a3, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  // r[i], lanes 4k..4k+3: row 4k + i's four tokens
+  const vf r[4] = {
+      __builtin_shufflevector(lo01, lo23, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+      __builtin_shufflevector(lo01, lo23, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31),
+      __builtin_shufflevector(hi01, hi23, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+      __builtin_shufflevector(hi01, hi23, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)};
+  for (int i = 0; i < 4; ++i) {
+    const v4 g0 = __builtin_shufflevector(r[i], r[i], 0, 1, 2, 3), g1 = __builtin_shufflevector(r[i], r[i], 4, 5, 6, 7);
+    const v4 g2 = __builtin_shufflevector(r[i], r[i], 8, 9, 10, 11), g3 = __builtin_shufflevector(r[i], r[i], 12, 13, 14, 15);
+    std::memcpy(st + (0 + i) * kDecodeChunk, &g0, sizeof g0);
+    std::memcpy(st + (4 + i) * kDecodeChunk, &g1, sizeof g1);
+    std::memcpy(st + (8 + i) * kDecodeChunk, &g2, sizeof g2);
+    std::memcpy(st + (12 + i) * kDecodeChunk, &g3, sizeof g3);
+  }
+}
+#elif ATTN_SIMD_WIDTH == 8
+inline void store_tokens4(vf a0, vf a1, vf a2, vf a3, float* st) {
+  using v4 = float __attribute__((vector_size(16)));
+  const vf lo01 = __builtin_shufflevector(a0, a1, 0, 8, 1, 9, 4, 12, 5, 13);
+  const vf hi01 = __builtin_shufflevector(a0, a1, 2, 10, 3, 11, 6, 14, 7, 15);
+  const vf lo23 = __builtin_shufflevector(a2, a3, 0, 8, 1, 9, 4, 12, 5, 13);
+  const vf hi23 = __builtin_shufflevector(a2, a3, 2, 10, 3, 11, 6, 14, 7, 15);
+  const vf r[4] = {__builtin_shufflevector(lo01, lo23, 0, 1, 8, 9, 4, 5, 12, 13),
+                   __builtin_shufflevector(lo01, lo23, 2, 3, 10, 11, 6, 7, 14, 15),
+                   __builtin_shufflevector(hi01, hi23, 0, 1, 8, 9, 4, 5, 12, 13),
+                   __builtin_shufflevector(hi01, hi23, 2, 3, 10, 11, 6, 7, 14, 15)};
+  for (int i = 0; i < 4; ++i) {
+    const v4 g0 = __builtin_shufflevector(r[i], r[i], 0, 1, 2, 3), g1 = __builtin_shufflevector(r[i], r[i], 4, 5, 6, 7);
+    std::memcpy(st + (0 + i) * kDecodeChunk, &g0, sizeof g0);
+    std::memcpy(st + (4 + i) * kDecodeChunk, &g1, sizeof g1);
+  }
+}
+#else
+inline void store_tokens4(vf, vf, vf, vf, float*) {}  // W < 8: scores_lanes stores lane by lane
+#endif
+
 // Many rows (R >= W: a GQA group times several new tokens): scores in the prefill kernel's
 // layout instead, rows in lanes. qt (Ep, Rp) is Q^T, packed once per item; per step of E, RV
 // loads of qt feed JT key broadcasts (fused into the FMAs), so no horizontal sums are needed.
@@ -96,35 +144,60 @@ inline void scores_lanes(const float* qt, int64_t Rp, const float* const* k, int
       for (int v = 0; v < RV; ++v) total[t][v] += acc[t][v];
     }
   }
-  for (int t = 0; t < JT; ++t) {  // back to st's (row, token) layout
+  // Back to st's (row, token) layout.
+  if constexpr (JT == 4 && W >= 8) {
     for (int v = 0; v < RV; ++v) {
-      for (int l = 0; l < W; ++l) st[(r0 + v * W + l) * kDecodeChunk + t] = total[t][v][l] * s[t];
+      store_tokens4(total[0][v] * s[0], total[1][v] * s[1], total[2][v] * s[2], total[3][v] * s[3],
+                    st + (r0 + v * W) * kDecodeChunk);
+    }
+  } else {
+    for (int t = 0; t < JT; ++t) {
+      for (int v = 0; v < RV; ++v) {
+        for (int l = 0; l < W; ++l) st[(r0 + v * W + l) * kDecodeChunk + t] = total[t][v][l] * s[t];
+      }
     }
   }
 }
 
+// Key rows for the scores to prefetch as they go: n rows of `bytes` (the next chunk's). With
+// rows in lanes the gather loop had prefetched them kPrefetchAhead tokens ahead, all within
+// its few instructions, so a chunk's scores started on keys still in flight: spreading them
+// over the score tiles, four rows per tile, made 64 rows (16 tokens x GQA 4) 1.12-1.14x faster
+// from memory, 16 rows 1.30x (AVX-512, E 128) and AVX2's 8 rows 1.41x (ab_kernels.sh, Zen 5,
+// H_kv 8, S 8192, 2 threads; same bits; K/V in L2: 1.00).
+struct KeyPrefetch {
+  const char* const* rows = nullptr;
+  int64_t n = 0, bytes = 0;
+};
+
+// The chunk's tokens against rows [r0, r0 + RV * W): by fours, then one by one; tile u
+// prefetches rows [u, u + 4) of pf.
+template <int RV>
+inline void scores_lanes_rows(const float* qt, int64_t Rp, const float* const* krows, const float* ks, int64_t nk,
+                              int64_t E, int64_t r0, float* st, KeyPrefetch pf) {
+  int64_t u = 0;
+  for (; u + 4 <= nk; u += 4) {
+    for (int64_t i = u; i < u + 4 && i < pf.n; ++i) prefetch_bytes(pf.rows[i], pf.bytes);
+    scores_lanes<4, RV>(qt, Rp, krows + u, E, r0, ks + u, st + u);
+  }
+  for (; u < nk; ++u) scores_lanes<1, RV>(qt, Rp, krows + u, E, r0, ks + u, st + u);
+  for (int64_t i = u; i < pf.n; ++i) prefetch_bytes(pf.rows[i], pf.bytes);
+}
+
 // The chunk's scores with rows in lanes; krows are float32 rows (widened if need be), ks the
 // per-token scale (times scale_log2). Rows past R are padding and land in st's spare rows.
-inline void scores_chunk_lanes(const float* qt, int64_t Rp, const float* const* krows,
-                               const float* ks, int64_t nk, int64_t E, float* st) {
-  for (int64_t r0 = 0; r0 < Rp; r0 += (Rp - r0 >= 2 * W ? 2 * W : W)) {
-    const bool two = Rp - r0 >= 2 * W;
-    int64_t u = 0;
-    for (; u + 4 <= nk; u += 4) {
-      if (two) {
-        scores_lanes<4, 2>(qt, Rp, krows + u, E, r0, ks + u, st + u);
-      } else {
-        scores_lanes<4, 1>(qt, Rp, krows + u, E, r0, ks + u, st + u);
-      }
-    }
-    for (; u < nk; ++u) {
-      if (two) {
-        scores_lanes<1, 2>(qt, Rp, krows + u, E, r0, ks + u, st + u);
-      } else {
-        scores_lanes<1, 1>(qt, Rp, krows + u, E, r0, ks + u, st + u);
-      }
-    }
+// Tiles of four vectors of rows where AVX-512's 32 registers hold their 16 accumulators (64
+// rows, Zen 5, E 128: 1.04x two vectors with K in L1, 1.09x from memory), then two, then one.
+// Out of line: inlined into decode_step, GCC gave the step's values the registers and moved a
+// wider tile's query vectors through the stack on every FMA (seen at 7 tokens x 2 vectors).
+[[gnu::noinline]] inline void scores_chunk_lanes(const float* qt, int64_t Rp, const float* const* krows,
+                                                 const float* ks, int64_t nk, int64_t E, float* st, KeyPrefetch pf) {
+  int64_t r0 = 0;
+  if constexpr (W >= 16) {
+    for (; Rp - r0 >= 4 * W; r0 += 4 * W, pf.n = 0) scores_lanes_rows<4>(qt, Rp, krows, ks, nk, E, r0, st, pf);
   }
+  for (; Rp - r0 >= 2 * W; r0 += 2 * W, pf.n = 0) scores_lanes_rows<2>(qt, Rp, krows, ks, nk, E, r0, st, pf);
+  for (; r0 < Rp; r0 += W, pf.n = 0) scores_lanes_rows<1>(qt, Rp, krows, ks, nk, E, r0, st, pf);
 }
 
 // Scaled scores of all R rows against one key row: st[r * kDecodeChunk] = s * (q_r . k).
