@@ -21,16 +21,20 @@
 // decode_step.
 // How a key row is scored (ScoreFeed::score): a call out of line costs a spill and reload of the
 // P.V tile's 16 accumulators around it; inline, the tile's 16 and the score's 4 accumulators fit
-// the 32 registers. Inline and token by token, against four tokens per call, alternating in one
-// process on Zen 5 (H_q 32, H_kv 8, E 128, S 8192, 2 threads, 40 pairs per run, ~300 runs, the
+// AVX-512's 32 registers. Inline and token by token, against four tokens per call, alternating in
+// one process on Zen 5 (H_q 32, H_kv 8, E 128, S 8192, 2 threads, 40 pairs per run, ~300 runs, the
 // host's read probe moving between ~40 and ~77 GB/s; most runs' medians): bf16 0.96-0.98 at a
 // probe under 51 GB/s, 0.90-0.93 over 54; f16 0.93-0.96 and 0.83-0.86 (one thread, K/V in the
-// LLC: bf16 0.79). So 16-bit rows are scored inline (kScoreInline). Float32 stays out of line:
-// inline it was 0.67 with K/V in the LLC and 0.95-0.99 at a fast probe, but 1.02-1.08 at a slow
-// one; four tokens per call likewise (0.71-0.75 in the LLC, 0.92-0.96 fast, 1.08-1.10 slow, with
-// or without L1 prefetches of the keys, with 16-48 rows of prefetch lead). The cause of the slow
-// probe's loss is not found. 16-bit E 64 with float32 queries stays on decode_step (pipelined and
-// inline, 1.20-1.24x there with K/V in the LLC).
+// LLC: bf16 0.79). Float32 inline against in a call (scripts/ab_kernels.sh -i avx512, Zen 5, K/V
+// rotating among 4 copies, 30-40 pairs per layout, the probe read before each): E 128 2 threads
+// 0.82-0.90 at a probe of 81-87 GB/s, where the call form reached only ~55 % of it, but 0.98-1.07
+// (median 1.04) at 47-52 GB/s (the cause of that small loss is not found); E 64 0.88-0.99 and one thread
+// 0.78-0.89 at ~48 GB/s; K/V in the LLC (S 1024, one copy) 0.73. So every cache type is scored
+// inline on AVX-512. AVX2's 16 registers hold the P.V tile's 12 accumulators but not a score's
+// beside them: its float32 rows are scored in a call (kScoreInline). Two float32 key rows per
+// feed (a query vector loaded once for both) measured 1.02-1.06x slower inline, as it did in a
+// call (0.89-0.94 in the LLC, 1.07-1.09 from memory). 16-bit E 64 with float32 queries stays
+// on decode_step (pipelined and inline, 1.20-1.24x there with K/V in the LLC).
 // The arithmetic and its order are decode_step's (dot_rows4 gives the bits scores_group does),
 // so the results are the same bits (compared against decode_step's on 10 shapes, float32 and
 // 16-bit, windows included; and byte for byte against the four-token form on 3264 decode calls).
@@ -59,7 +63,7 @@ constexpr int64_t kPipelinedRows = 4;
 
 // The builds and caches this loop serves: AVX-512's but int8 (dequantised keys), and AVX2's
 // float32 from E 128 (its 16 registers hold a P.V tile's 12 accumulators, not a score's beside
-// them, so its rows are scored in a call, as AVX-512's float32 rows are). AVX2 on AMD Zen 3
+// them, so its rows are scored in a call). AVX2 on AMD Zen 3
 // (H_q 32, H_kv 8, S 8192, 2 threads, K/V from memory; `attn bench` alternating against the
 // unpipelined binary, medians of 12-16 pairs; identical outputs), time ratios pipelined / not:
 // E 128 0.85-0.95 (one thread, S 1024 rotating: 0.85-0.95; with K/V in the cache 1.01-1.20),
@@ -68,9 +72,10 @@ constexpr int64_t kPipelinedRows = 4;
 template <KvType T>
 constexpr bool kPipelinedBuild = (W == 16 && T != KvType::kInt8) || (W == 8 && T == KvType::kFloat32);
 
-// Whether ScoreFeed scores a key row inline (16-bit rows) or in a call (float32): see above.
+// Whether ScoreFeed scores a key row inline (AVX-512, and AVX2's 16-bit rows) or in a call
+// (AVX2's float32 rows): see above.
 template <KvType T>
-constexpr bool kScoreInline = T != KvType::kFloat32;
+constexpr bool kScoreInline = W == 16 || T != KvType::kFloat32;
 
 // The next step's query rows as ScoreFeed reads them: float32 rows (q, Ep) for dot_rows4, or
 // with kDot bf16 pairs (q2, words) for the bf16 dot unit (bf16 queries against a bf16 cache).
@@ -82,10 +87,9 @@ struct FeedQuery {
 // Scores the next step's key rows into st, one (two with kDot) every `every` calls; rest()
 // scores those left when the P.V is done. The rows are the item's kPipelinedRows: dot_rows4, or
 // with kDot dot_rows4_tokens_bf16<2> (the bits decode_step's dot_scores_tokens4 gives).
-// Float32 stays one row per call: two per call measured 0.89-0.94 with K/V in the LLC but
-// 1.07-1.09 from memory (H 32/8, E 128, S 8192, 2 threads, a probe of ~40 GB/s; one thread
-// 1.05-1.07), in a call or inline, with the second row's prefetch issued with the first's or
-// half a feed later: the loss seen for every float32 form but this one (see above).
+// Float32 stays one row per feed: two measured 1.07-1.09x slower from memory in a call (H 32/8,
+// E 128, S 8192, 2 threads, a probe of ~40 GB/s; one thread 1.05-1.07), with the second row's
+// prefetch issued with the first's or half a feed later, and 1.02-1.06x slower inline (above).
 template <KvType T, bool kDot>
 struct ScoreFeed {
   static_assert(kPipelinedRows == 4, "dot_rows4 scores four rows");
