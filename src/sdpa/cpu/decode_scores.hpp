@@ -48,12 +48,21 @@ inline void hsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
 template <KvType T>
 inline void dot_rows4(const float* q, int64_t Ep, const void* k, float* out) {
   vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  for (int64_t e = 0; e < Ep; e += W) {
+  auto step = [&](int64_t e) {
     const vf kv = load_as_float<T>(k, e);
     a0 += load(q + e) * kv;
     a1 += load(q + Ep + e) * kv;
     a2 += load(q + 2 * Ep + e) * kv;
     a3 += load(q + 3 * Ep + e) * kv;
+  };
+  if constexpr (T == KvType::kFloat32) {
+    // Unrolled (E 128: the whole row): the pipelined loop's feed, float32 E 128, Zen 5, measured
+    // 0.96-0.98x the time with K/V in L2 (one thread) and 0.97-0.99x from memory (two threads).
+    // 16-bit rows, widened in the loop, stay rolled (unrolled, bf16 measured no faster).
+#pragma GCC unroll 8
+    for (int64_t e = 0; e < Ep; e += W) step(e);
+  } else {
+    for (int64_t e = 0; e < Ep; e += W) step(e);
   }
   hsum4(a0, a1, a2, a3, out);
 }
