@@ -7,8 +7,10 @@
 //
 //   fwd    H L E CAUSAL PAIRS [THREADS]   forward_block over H heads of L queries and keys
 //   bwd    H L E CAUSAL PAIRS [THREADS]   backward_head over the same (whole key range)
-//   decode HKV R S E COPIES PAIRS [THREADS]  decode_split: HKV kv heads of S keys, R query rows
-//          each (GQA group x new tokens), K/V rotating among COPIES copies (1: from the caches)
+//   decode HKV R S E COPIES PAIRS [THREADS [KV]]  decode_split: HKV kv heads of S keys, R query
+//          rows each (GQA group x new tokens), K/V rotating among COPIES copies (1: from the
+//          caches); KV: f32 (default), bf16 (a bf16 cache, float32 queries) or bf16q (bf16
+//          queries too: the dot unit's path, in a build with -mavx512bf16, ab_kernels.sh -i avx512_bf16)
 //
 // Prints the median time of each build, A's time over B's (median and quartiles of the per-pair
 // ratios: above 1, B is faster) and the largest difference between their outputs.
@@ -38,6 +40,20 @@ using namespace attn::cpu;
 using Vec = std::vector<float>;
 
 namespace {
+
+// x rounded to bfloat16 (nearest even; the inputs are finite).
+uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
 
 Vec randn(size_t n, std::mt19937& g) {
   std::normal_distribution<float> nd;
@@ -142,17 +158,35 @@ int decode(int argc, char** argv) {
   if (argc < 8) return 2;
   const int64_t Hkv = std::atoll(argv[2]), R = std::atoll(argv[3]), S = std::atoll(argv[4]), E = std::atoll(argv[5]);
   const int copies = std::atoi(argv[6]), pairs = std::atoi(argv[7]), T = argc > 8 ? std::atoi(argv[8]) : 1;
+  const std::string kv_kind = argc > 9 ? argv[9] : "f32";
+  if (kv_kind != "f32" && kv_kind != "bf16" && kv_kind != "bf16q") return 2;
+  const bool bf16 = kv_kind != "f32";
   DecodeParams p;
   p.E = p.Ev = E, p.Ep = p.Evp = (E + 15) / 16 * 16;
   p.scale_log2 = 1.4426950408889634f / std::sqrt(static_cast<float>(E));
+  p.kv = bf16 ? KvType::kBFloat16 : KvType::kFloat32;
+  p.q_bf16 = kv_kind == "bf16q";
   std::mt19937 g(1);
-  std::vector<Vec> K, V;
+  std::vector<Vec> K, V;  // float32 caches
+  std::vector<std::vector<uint16_t>> K16, V16;  // bf16 caches
+  auto rounded = [](const Vec& x) {
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = to_bf16(x[i]);
+    return h;
+  };
   for (int c = 0; c < copies; ++c) {
-    K.push_back(randn(static_cast<size_t>(Hkv * S * E), g));
-    V.push_back(randn(static_cast<size_t>(Hkv * S * E), g));
+    Vec k = randn(static_cast<size_t>(Hkv * S * E), g), v = randn(static_cast<size_t>(Hkv * S * E), g);
+    if (bf16) {
+      K16.push_back(rounded(k)), V16.push_back(rounded(v));
+    } else {
+      K.push_back(std::move(k)), V.push_back(std::move(v));
+    }
   }
   Vec q(static_cast<size_t>(Hkv * R * p.Ep), 0.0f);  // rows zero-padded to Ep, as the driver packs them
-  const Vec qr = randn(static_cast<size_t>(Hkv * R * E), g);
+  Vec qr = randn(static_cast<size_t>(Hkv * R * E), g);
+  if (p.q_bf16) {
+    for (float& x : qr) x = from_bf16(to_bf16(x));  // bf16 queries, as the driver widens them
+  }
   for (int64_t r = 0; r < Hkv * R; ++r) std::copy_n(qr.data() + r * E, E, q.data() + r * p.Ep);
   const std::vector<int64_t> pos(static_cast<size_t>(R), 0);
   const std::vector<const float*> mask(static_cast<size_t>(R), nullptr);
@@ -167,7 +201,12 @@ int decode(int argc, char** argv) {
     for (int64_t h = 0; h < Hkv; ++h) {
       const FlushDenormals ftz;  // as the library's drivers run the kernels
       DecodeKv kv;
-      kv.k = K[static_cast<size_t>(copy)].data() + h * S * E, kv.v = V[static_cast<size_t>(copy)].data() + h * S * E;
+      const auto c = static_cast<size_t>(copy);
+      if (bf16) {
+        kv.k = K16[c].data() + h * S * E, kv.v = V16[c].data() + h * S * E;
+      } else {
+        kv.k = K[c].data() + h * S * E, kv.v = V[c].data() + h * S * E;
+      }
       kv.k_row = kv.v_row = E, kv.S = S, kv.page_size = S;  // one page: the whole head, as the driver sets it
       float* o = out[w].data() + h * part;
       const DecodeItem it{q.data() + h * R * p.Ep, pos.data(), mask.data(), nullptr, R, 0, S, o, o + R, o + 2 * R};
@@ -176,14 +215,15 @@ int decode(int argc, char** argv) {
   };
   run(0, 0);
   run(1, 0);
-  std::printf("decode H_kv %lld, %lld rows each, S %lld, E %lld, %d K/V copies, %d thread(s): ", static_cast<long long>(Hkv),
-              static_cast<long long>(R), static_cast<long long>(S), static_cast<long long>(E), copies, T);
+  std::printf("decode H_kv %lld, %lld rows each, S %lld, E %lld, %s, %d K/V copies, %d thread(s): ",
+              static_cast<long long>(Hkv), static_cast<long long>(R), static_cast<long long>(S),
+              static_cast<long long>(E), kv_kind.c_str(), copies, T);
   const double diff = max_diff(out[0], out[1]);
   auto call = [&](int w) {
     next = (next + 1) % copies;
     run(w, next);
   };
-  time_pairs(pairs, call, 2.0 * Hkv * S * E * sizeof(float), "GB/s of K/V", diff);
+  time_pairs(pairs, call, 2.0 * Hkv * S * E * (bf16 ? 2 : 4), "GB/s of K/V", diff);
   return 0;
 }
 
@@ -197,7 +237,7 @@ int main(int argc, char** argv) {
   if (rc == 2) {
     std::fprintf(stderr,
                  "usage: ab_kernels fwd|bwd H L E CAUSAL PAIRS [THREADS]\n"
-                 "       ab_kernels decode H_KV ROWS S E COPIES PAIRS [THREADS]\n");
+                 "       ab_kernels decode H_KV ROWS S E COPIES PAIRS [THREADS [f32|bf16|bf16q]]\n");
   }
   return rc;
 }

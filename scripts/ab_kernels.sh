@@ -4,11 +4,13 @@
 # their times is not moved by the host's drifts between runs, which on the project's shared VMs
 # are larger than most kernel changes (scripts/ab_bench.sh compares whole binaries run by run).
 #
-#   scripts/ab_kernels.sh [-i avx2|avx512|generic] REV_A REV_B -- MODE ARGS...
+#   scripts/ab_kernels.sh [-i avx2|avx512|avx512_bf16|generic] REV_A REV_B -- MODE ARGS...
 #
 # REV is a git revision (its src/ is exported), `worktree` (the working tree's src/) or a
 # directory holding a src/ (an experiment's copy). MODE and ARGS are ab_kernels.cpp's:
-# `fwd|bwd H L E CAUSAL PAIRS [THREADS]` or `decode H_KV ROWS S E COPIES PAIRS [THREADS]`. e.g., a change to flash_kernel.hpp against HEAD:
+# `fwd|bwd H L E CAUSAL PAIRS [THREADS]` or `decode H_KV ROWS S E COPIES PAIRS [THREADS [KV]]`, KV f32,
+# bf16 or bf16q (bf16 queries too: the bf16 dot unit's path, -i avx512_bf16). e.g., a change to
+# flash_kernel.hpp against HEAD:
 #   scripts/ab_kernels.sh HEAD worktree -- fwd 1 1024 64 0 201
 # The kernels are compiled as the library compiles its flash_<isa>.cpp (-O3, the ISA's flags);
 # the harness links the library for what the kernels call (Philox dropout): build it first
@@ -21,7 +23,7 @@ if [[ "${1:-}" == "-i" ]]; then
   shift 2
 fi
 if [[ $# -lt 4 || "$3" != "--" ]]; then
-  echo "usage: $0 [-i avx2|avx512|generic] REV_A REV_B -- fwd|bwd|decode ARGS..." >&2
+  echo "usage: $0 [-i avx2|avx512|avx512_bf16|generic] REV_A REV_B -- fwd|bwd|decode ARGS..." >&2
   exit 2
 fi
 rev_a="$1" rev_b="$2"
@@ -33,8 +35,10 @@ build="${ATTN_BUILD_DIR:-$root/build}"
 case "$isa" in
   avx2) flags=(-mavx2 -mfma -mf16c) width=8 need=(avx2 fma f16c) ;;
   avx512) flags=(-mavx512f -mavx512vl -mavx512dq -mfma) width=16 need=(avx512f avx512vl avx512dq fma) ;;
+  avx512_bf16) flags=(-mavx512f -mavx512vl -mavx512dq -mavx512bw -mavx512bf16 -mfma) width=16
+    need=(avx512f avx512vl avx512dq avx512bw avx512_bf16 fma) ;;
   generic) flags=() width=4 need=() ;;
-  *) echo "ab_kernels.sh: unknown ISA $isa (avx2, avx512 or generic)" >&2; exit 2 ;;
+  *) echo "ab_kernels.sh: unknown ISA $isa (avx2, avx512, avx512_bf16 or generic)" >&2; exit 2 ;;
 esac
 for f in "${need[@]}"; do
   grep -qw "$f" /proc/cpuinfo || { echo "ab_kernels.sh: this CPU lacks $f, which the $isa build assumes" >&2; exit 2; }

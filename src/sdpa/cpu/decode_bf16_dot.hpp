@@ -177,8 +177,15 @@ template <int NB>
 // acc's permuted blocks [c0, c0 + 32 NB) += P[rows] . V over the chunk's tokens: float32 weights
 // and FMAs, each bf16 value row widened into the permuted order. With kGuard a zero weight is
 // skipped, never multiplied.
+// This tile and its callers down to pv_chunk_permuted are always inlined into the step loops. Left
+// to GCC (12), the tile went out of line once PvPrefetch grew a field (c0e79ce), and there, with
+// the pipelined loop's bf16 feed inline in it, it stored its 16 accumulators to the stack on every
+// token: bf16 queries against a bf16 cache (H 32/8, E 128, S 8192, 2 threads) took 1.26-1.80 ms in
+// `attn bench` where the inlined form takes 0.80-1.15 (alternating binaries); with K/V in L2 (one
+// thread, scripts/ab_kernels.sh -i avx512_bf16 ... bf16q) 1.53x the time, E 64 1.21x, group 8
+// 1.04x; float32 queries against the cache 1.0-1.03x.
 template <int RT, int NB, bool kGuard, typename Hook>
-inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
+[[gnu::always_inline]] inline void pv_tile_widened(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t c0,
                             int64_t Evp, float* acc, PvPrefetch pf, Hook& hook) {
   __m512 a[RT][2 * NB];
   for (int r = 0; r < RT; ++r) {
@@ -214,10 +221,10 @@ template <typename Tile>
 }
 
 template <int RT, typename Hook>
-inline void pv_rows_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp, float* acc,
+[[gnu::always_inline]] inline void pv_rows_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t r0, int64_t Evp, float* acc,
                              PvPrefetch pf, Hook& hook) {
   const bool guard = any_zero_weight(st, r0, RT, nk);
-  by_permuted_col_tiles(Evp, [&]<int NB>(int64_t c0) {
+  by_permuted_col_tiles(Evp, [&]<int NB>(int64_t c0) __attribute__((always_inline)) {
     if (guard) {
       pv_tile_widened<RT, NB, true>(st, vrows, nk, r0, c0, Evp, acc, pf, hook);
     } else {
@@ -247,9 +254,9 @@ template <int CV>
 // P.V of a bf16 chunk into the permuted accumulators (Evp a multiple of 32), hook() after each
 // token of each tile.
 template <typename Hook = const NoHook>
-inline void pv_chunk_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp, float* acc,
+[[gnu::always_inline]] inline void pv_chunk_permuted(const float* st, const void* const* vrows, int64_t nk, int64_t R, int64_t Evp, float* acc,
                               PvPrefetch pf, Hook& hook = NoHook{}) {
-  by_row_tiles(R, [&]<int RT>(int64_t r0) { pv_rows_permuted<RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0), hook); });
+  by_row_tiles(R, [&]<int RT>(int64_t r0) __attribute__((always_inline)) { pv_rows_permuted<RT>(st, vrows, nk, r0, Evp, acc, for_row_tile(pf, r0), hook); });
 }
 
 // The accumulators back in element order: block lane 4k + i of lanes 0-15 is element 8k + i,
