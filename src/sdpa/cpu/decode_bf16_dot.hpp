@@ -180,8 +180,8 @@ template <int NB>
 // This tile and its callers down to pv_chunk_permuted are always inlined into the step loops. Left
 // to GCC (12), the tile went out of line once PvPrefetch grew a field (c0e79ce), and there, with
 // the pipelined loop's bf16 feed inline in it, it stored its 16 accumulators to the stack on every
-// token: bf16 queries against a bf16 cache (H 32/8, E 128, S 8192, 2 threads) took 1.26-1.80 ms in
-// `attn bench` where the inlined form takes 0.80-1.15 (alternating binaries); with K/V in L2 (one
+// token: bf16 queries against a bf16 cache (H 32/8, E 128, S 8192, 2 threads) took 0.95-1.80 ms
+// (mostly ~1.7) in `attn bench` where the inlined form takes 0.79-1.15 (alternating binaries); with K/V in L2 (one
 // thread, scripts/ab_kernels.sh -i avx512_bf16 ... bf16q) 1.53x the time, E 64 1.21x, group 8
 // 1.04x; float32 queries against the cache 1.0-1.03x.
 template <int RT, int NB, bool kGuard, typename Hook>
