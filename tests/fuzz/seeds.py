@@ -107,6 +107,12 @@ write("fuzz_sdpa", "all_variants", sdpa(mask=1, window=(7, 1), softcap=3, alibi=
                                         dropout=177, flags=W | LSE | T2, B=2, Hkv=2, group=2, L=25, S=25))
 write("fuzz_sdpa", "variants_16bit", sdpa(value_seed=40, window=(6, 0), softcap=4, alibi=2 << 1, sinks=1,
                                           mask=1, flags=LSE))
+# Found by the target (CI, 2026-11-29): B 2, H 2, L 2, S 1, E 1, Ev 39, a one-element bool mask,
+# |v| up to ~200, bf16: with one key P = 1 and dS = dP - D cancels to 0; the bf16 backward's dP
+# (dot unit) and D (from the forward's output) round apart by a few float32 units of ~4e5, so dK
+# came out 0.023 against a true 0 (check_bf16_backward's float32 cancellation allowance).
+write("fuzz_sdpa", "bf16_backward_cancel_s1_large_v", bytes.fromhex(
+    "000000020101000601000026d20400000000000007000000800506042a00000000000101000000000000000000000025"))
 for kind in range(17):
     write("fuzz_sdpa", f"invalid_{kind:02d}", sdpa(invalid=kind, invalid_arg=(kind * 37 + 1) % 256, mask=2))
 
