@@ -26,6 +26,7 @@
 
 #include <omp.h>
 
+#include "attn/dtype.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
 #include "sdpa/cpu/flush_denormals.hpp"
 
@@ -40,20 +41,6 @@ using namespace attn::cpu;
 using Vec = std::vector<float>;
 
 namespace {
-
-// x rounded to bfloat16 (nearest even; the inputs are finite).
-uint16_t to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-float from_bf16(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
 
 Vec randn(size_t n, std::mt19937& g) {
   std::normal_distribution<float> nd;
@@ -171,7 +158,7 @@ int decode(int argc, char** argv) {
   std::vector<std::vector<uint16_t>> K16, V16;  // bf16 caches
   auto rounded = [](const Vec& x) {
     std::vector<uint16_t> h(x.size());
-    for (size_t i = 0; i < x.size(); ++i) h[i] = to_bf16(x[i]);
+    for (size_t i = 0; i < x.size(); ++i) h[i] = attn::float_to_bf16(x[i]).bits;
     return h;
   };
   for (int c = 0; c < copies; ++c) {
@@ -185,7 +172,7 @@ int decode(int argc, char** argv) {
   Vec q(static_cast<size_t>(Hkv * R * p.Ep), 0.0f);  // rows zero-padded to Ep, as the driver packs them
   Vec qr = randn(static_cast<size_t>(Hkv * R * E), g);
   if (p.q_bf16) {
-    for (float& x : qr) x = from_bf16(to_bf16(x));  // bf16 queries, as the driver widens them
+    for (float& x : qr) x = attn::bf16_to_float(attn::float_to_bf16(x));  // bf16 queries, as the driver widens them
   }
   for (int64_t r = 0; r < Hkv * R; ++r) std::copy_n(qr.data() + r * E, E, q.data() + r * p.Ep);
   const std::vector<int64_t> pos(static_cast<size_t>(R), 0);
