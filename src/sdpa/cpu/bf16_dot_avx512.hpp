@@ -69,12 +69,19 @@ inline uint32_t pair_at(const uint16_t* row, int64_t i, int64_t n) {
   return lo | (hi << 16);
 }
 
+// Words (a0, a1, ..., a15, b0, ..., b15) -> pairs (a0, b0), (a1, b1), ... as 32-bit lanes.
+inline __m512i interleave_words(__m512i ab) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                       20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, ab);
+}
+
 // Two float32 vectors (keys 2j2 and 2j2+1 of 16 queries) rounded to bf16 and interleaved as
-// one pair per query lane. vcvtneps2bf16 rounds to nearest even, as float_to_bf16 does.
+// one pair per query lane. vcvtne2ps2bf16 rounds to nearest even, as float_to_bf16 does; one
+// conversion of both and one word permute, where converting each and widening took six
+// instructions.
 inline __m512i pair_rows(__m512 even, __m512 odd) {
-  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
-  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  return interleave_words((__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
 inline uint32_t load_u32(const uint16_t* p) {
@@ -83,8 +90,11 @@ inline uint32_t load_u32(const uint16_t* p) {
   return x;
 }
 
-template <int JT>
-inline void scores_tile(const uint32_t* qt2, const uint16_t* kr, int64_t k_row, int64_t E, float* st) {
+// st (JT keys x 32 queries) = K_rows Q^T, times `scale` when kScaled (the forward's base-2
+// scale, applied as the tile is stored rather than in a pass of its own over st).
+template <int JT, bool kScaled = false>
+inline void scores_tile(const uint32_t* qt2, const uint16_t* kr, int64_t k_row, int64_t E, float* st,
+                        __m512 scale = _mm512_set1_ps(1.0f)) {
   __m512 acc[JT][2];
   for (int t = 0; t < JT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   const int64_t whole = E / 2;  // pairs read as one 32-bit broadcast from the key row
@@ -107,6 +117,10 @@ inline void scores_tile(const uint32_t* qt2, const uint16_t* kr, int64_t k_row, 
     }
   }
   for (int t = 0; t < JT; ++t) {
+    if constexpr (kScaled) {
+      acc[t][0] = _mm512_mul_ps(acc[t][0], scale);
+      acc[t][1] = _mm512_mul_ps(acc[t][1], scale);
+    }
     _mm512_storeu_ps(st + t * kBQ, acc[t][0]);
     _mm512_storeu_ps(st + t * kBQ + 16, acc[t][1]);
   }

@@ -152,13 +152,6 @@ inline __m512 high_half(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// Words (a0, a1, ..., a15, b0, ..., b15) -> pairs (a0, b0), (a1, b1), ... as 32-bit lanes.
-inline __m512i interleave_words(__m512i ab) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
-                                       20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, ab);
-}
-
 // The 32 query lanes of x0 (0..15), x1 (16..31) as 16 query pairs: their high halves, in order.
 inline __m512i high_words(__m512 x0, __m512 x1) {
   const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
