@@ -242,6 +242,9 @@ inline void softmax_row(const FlashParams& p, const FlashBlock16& b, int64_t q, 
     }
   }
   for (int v = 0; v < 4; ++v) split16<TP>(_mm512_load_ps(pr + 16 * v), pb_row + 16 * v, kBQ * kBK);
+  // Once a row's max settles alpha is 1 and the rescale would change no bit (x * 1 is x; a NaN
+  // alpha compares unequal): skipped, as the float32 and AVX512-BF16 kernels skip it.
+  if (alpha == 1.0f) return;
   const __m512 av = _mm512_set1_ps(alpha);
   for (int64_t c = 0; c < evp; c += 16) _mm512_storeu_ps(ob_row + c, _mm512_mul_ps(_mm512_loadu_ps(ob_row + c), av));
 }
