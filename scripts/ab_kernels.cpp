@@ -7,6 +7,11 @@
 //
 //   fwd    H L E CAUSAL PAIRS [THREADS]   forward_block over H heads of L queries and keys
 //   bwd    H L E CAUSAL PAIRS [THREADS]   backward_head over the same (whole key range)
+//   fwd16  H L E CAUSAL PAIRS [THREADS]   the AVX512-BF16 forward (flash_avx512_bf16.cpp) on bf16
+//          q, k, v: pack_v per head and forward_block over its query blocks (ab_kernels.sh
+//          -i avx512_bf16 builds it)
+//   bwd16  H L E CAUSAL PAIRS [THREADS]   its backward (flash_bwd_avx512_bf16.cpp) over the same,
+//          D given (as from the forward's output_residual, the training path)
 //   decode HKV R S E COPIES PAIRS [THREADS [KV]]  decode_split: HKV kv heads of S keys, R query
 //          rows each (GQA group x new tokens), K/V rotating among COPIES copies (1: from the
 //          caches); KV: f32 (default), bf16 (a bf16 cache, float32 queries) or bf16q (bf16
@@ -27,6 +32,7 @@
 #include <omp.h>
 
 #include "attn/dtype.hpp"
+#include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
 #include "sdpa/cpu/flush_denormals.hpp"
 
@@ -35,6 +41,11 @@ const FlashKernel& kernel_a();
 const FlashKernel& kernel_b();
 const DecodeKernel& decode_a();
 const DecodeKernel& decode_b();
+// The two trees' AVX512-BF16 kernels, linked only in the avx512_bf16 build (weak: absent, null).
+[[gnu::weak]] const Bf16ForwardKernel& bf16_kernel_a();
+[[gnu::weak]] const Bf16ForwardKernel& bf16_kernel_b();
+[[gnu::weak]] const Bf16BackwardKernel& bf16_backward_a();
+[[gnu::weak]] const Bf16BackwardKernel& bf16_backward_b();
 }  // namespace attn::cpu
 
 using namespace attn::cpu;
@@ -141,6 +152,137 @@ int flash(bool backward, int argc, char** argv) {
   return 0;
 }
 
+// 64-byte aligned per-thread workspaces, as the library's drivers hand the kernels.
+struct Workspaces {
+  std::vector<float*> w;
+  Workspaces(int threads, int64_t bytes) {
+    for (int t = 0; t < threads; ++t) {
+      w.push_back(static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>((bytes + 127) / 64 * 64))));
+    }
+  }
+  ~Workspaces() {
+    for (float* x : w) std::free(x);
+  }
+  void* mine() const { return w[static_cast<size_t>(omp_get_thread_num())]; }
+};
+
+std::vector<uint16_t> to_bf16(const Vec& x) {
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) h[i] = attn::float_to_bf16(x[i]).bits;
+  return h;
+}
+
+double max_diff_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(attn::bf16_to_float({a[i]}) - attn::bf16_to_float({b[i]}));
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+// fwd16 / bwd16: H heads of L bf16 queries and keys, E = Ev, one after the other as the drivers
+// run them (flash_fwd_bf16.cpp: V packed per head, then the query blocks; flash_bwd.cpp's bf16
+// backward: whole key ranges per head, D given).
+int flash16(bool backward, int argc, char** argv) {
+  if (argc < 7) return 2;
+  if (&bf16_kernel_a == nullptr || &bf16_backward_a == nullptr) {
+    std::fprintf(stderr, "ab_kernels: fwd16 and bwd16 need the avx512_bf16 build (ab_kernels.sh -i avx512_bf16)\n");
+    return 2;
+  }
+  const int H = std::atoi(argv[2]), pairs = std::atoi(argv[6]), T = argc > 7 ? std::atoi(argv[7]) : 1;
+  const int64_t L = std::atoll(argv[3]), E = std::atoll(argv[4]);
+  const bool causal = std::atoi(argv[5]) != 0;
+  FlashBwdParams p;
+  p.L = p.S = L, p.E = p.Ev = E, p.q_row = p.k_row = p.v_row = p.o_row = E;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(E));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.causal = causal;
+  std::mt19937 g(1);
+  const size_t n = static_cast<size_t>(H * L * E);
+  const std::vector<uint16_t> q = to_bf16(randn(n, g)), k = to_bf16(randn(n, g)), v = to_bf16(randn(n, g)),
+                              dout = to_bf16(randn(n, g));
+  const Bf16ForwardKernel* F[2] = {&bf16_kernel_a(), &bf16_kernel_b()};
+  const Bf16BackwardKernel* Bk[2] = {&bf16_backward_a(), &bf16_backward_b()};
+  int64_t ws_bytes = 0;
+  for (int w = 0; w < 2; ++w) {
+    ws_bytes = std::max({ws_bytes, F[w]->workspace_bytes(E, E), Bk[w]->backward_workspace_bytes(L, E, E),
+                         Bk[w]->row_dots_workspace_bytes(E, E)});
+  }
+  const Workspaces ws(T, ws_bytes);
+  std::vector<uint32_t> vp[2], kp[2];
+  std::vector<uint16_t> o[2] = {std::vector<uint16_t>(n), std::vector<uint16_t>(n)};
+  Vec lse[2] = {Vec(H * L), Vec(H * L)};
+  Vec dq[2] = {Vec(n), Vec(n)}, dk[2] = {Vec(n), Vec(n)}, dv[2] = {Vec(n), Vec(n)};
+  for (int w = 0; w < 2; ++w) {
+    vp[w].resize(static_cast<size_t>(H * F[w]->packed_v_words(L, E)));
+    if (F[w]->pack_k != nullptr) kp[w].resize(static_cast<size_t>(H * F[w]->packed_k_words(L, E)));
+  }
+  auto fwd = [&](int w) {
+    const int64_t vw = F[w]->packed_v_words(L, E), kw = F[w]->pack_k != nullptr ? F[w]->packed_k_words(L, E) : 0;
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t h = 0; h < H; ++h) {
+      F[w]->pack_v(v.data() + h * L * E, E, L, E, vp[w].data() + h * vw);
+      if (kw > 0) F[w]->pack_k(k.data() + h * L * E, E, L, E, kp[w].data() + h * kw);
+    }
+    const int64_t bq = F[w]->block_q, nb = (L + bq - 1) / bq;
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * nb; ++item) {
+      const FlushDenormals ftz;
+      const int64_t h = item / nb, i0 = item % nb * bq;
+      FlashBlock16 b{};
+      b.q = q.data() + (h * L + i0) * E, b.k = k.data() + h * L * E;
+      b.kp = kw > 0 ? kp[w].data() + h * kw : nullptr, b.vp = vp[w].data() + h * vw;
+      b.o = o[w].data() + (h * L + i0) * E, b.lse = lse[w].data() + h * L + i0;
+      b.i0 = i0, b.nq = std::min(bq, L - i0), b.bh = h;
+      F[w]->forward_block(p, b, ws.mine());
+    }
+  };
+  fwd(0);
+  fwd(1);
+  double diff = std::max(max_diff_bf16(o[0], o[1]), max_diff(lse[0], lse[1]));
+  Vec lse_e = lse[0];
+  for (float& x : lse_e) x *= 0.6931471805599453f;  // the backward takes the natural-log LSE
+  auto head = [&](int w, int64_t h) {
+    FlashBwdHead hd{};
+    hd.q = q.data() + h * L * E, hd.k = k.data() + h * L * E, hd.v = v.data() + h * L * E;
+    hd.dout = dout.data() + h * L * E, hd.o_row = hd.do_row = E;
+    hd.lse = lse_e.data() + h * L;
+    hd.dq = dq[w].data() + h * L * E, hd.dk = dk[w].data() + h * L * E, hd.dv = dv[w].data() + h * L * E;
+    hd.bh = h, hd.j_begin = 0, hd.j_end = L;
+    return hd;
+  };
+  Vec dd(static_cast<size_t>(H * L)), mass(static_cast<size_t>(Bk[0]->block_q));
+  for (int64_t h = 0; h < H; ++h) {  // D once, by A's row_dots, for both
+    const FlashBwdHead hd = head(0, h);
+    for (int64_t i0 = 0; i0 < L; i0 += Bk[0]->block_q) {
+      Bk[0]->row_dots(p, hd, i0, std::min(Bk[0]->block_q, L - i0), dd.data() + h * L + i0, mass.data(), ws.w[0]);
+    }
+  }
+  auto bwd = [&](int w) {
+    std::fill(dk[w].begin(), dk[w].end(), 0.0f);
+    std::fill(dv[w].begin(), dv[w].end(), 0.0f);
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
+    for (int64_t h = 0; h < H; ++h) {
+      const FlushDenormals ftz;
+      FlashBwdHead hd = head(w, h);
+      hd.dd = dd.data() + h * L;
+      Bk[w]->backward(p, hd, ws.mine());
+    }
+  };
+  if (backward) {
+    bwd(0);
+    bwd(1);
+    diff = std::max({max_diff(dq[0], dq[1]), max_diff(dk[0], dk[1]), max_diff(dv[0], dv[1])});
+  }
+  // FlashAttention's counts: 4 L S E (halved when causal) forward, 2.5x that backward.
+  const double flops = (backward ? 10.0 : 4.0) * H * L * L * E / (causal ? 2.0 : 1.0);
+  std::printf("%s H %d L %lld E %lld%s, bf16, %d thread(s): ", backward ? "bwd16" : "fwd16", H,
+              static_cast<long long>(L), static_cast<long long>(E), causal ? " causal" : "", T);
+  time_pairs(pairs, [&](int w) { backward ? bwd(w) : fwd(w); }, flops, "GFLOP/s", diff);
+  return 0;
+}
+
 int decode(int argc, char** argv) {
   if (argc < 8) return 2;
   const int64_t Hkv = std::atoll(argv[2]), R = std::atoll(argv[3]), S = std::atoll(argv[4]), E = std::atoll(argv[5]);
@@ -220,10 +362,11 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   int rc = 2;
   if (mode == "fwd" || mode == "bwd") rc = flash(mode == "bwd", argc, argv);
+  if (mode == "fwd16" || mode == "bwd16") rc = flash16(mode == "bwd16", argc, argv);
   if (mode == "decode") rc = decode(argc, argv);
   if (rc == 2) {
     std::fprintf(stderr,
-                 "usage: ab_kernels fwd|bwd H L E CAUSAL PAIRS [THREADS]\n"
+                 "usage: ab_kernels fwd|bwd|fwd16|bwd16 H L E CAUSAL PAIRS [THREADS]\n"
                  "       ab_kernels decode H_KV ROWS S E COPIES PAIRS [THREADS [f32|bf16|bf16q]]\n");
   }
   return rc;

@@ -9,8 +9,10 @@
 # REV is a git revision (its src/ is exported), `worktree` (the working tree's src/) or a
 # directory holding a src/ (an experiment's copy). MODE and ARGS are ab_kernels.cpp's:
 # `fwd|bwd H L E CAUSAL PAIRS [THREADS]` or `decode H_KV ROWS S E COPIES PAIRS [THREADS [KV]]`, KV f32,
-# bf16 or bf16q (bf16 queries too: the bf16 dot unit's path, -i avx512_bf16). e.g., a change to
-# flash_kernel.hpp against HEAD:
+# bf16 or bf16q (bf16 queries too: the bf16 dot unit's path, -i avx512_bf16); with -i avx512_bf16
+# also `fwd16|bwd16 H L E CAUSAL PAIRS [THREADS]`, the AVX512-BF16 forward and backward on bf16
+# inputs (the trees' flash_avx512_bf16.cpp and flash_bwd_avx512_bf16.cpp, their accessors
+# renamed). e.g., a change to flash_kernel.hpp against HEAD:
 #   scripts/ab_kernels.sh HEAD worktree -- fwd 1 1024 64 0 201
 # The kernels are compiled as the library compiles its flash_<isa>.cpp (-O3, the ISA's flags);
 # the harness links the library for what the kernels call (Philox dropout): build it first
@@ -64,6 +66,16 @@ g++ "${common[@]}" -I"$work/a/src" -DATTN_SIMD_NS=ab_a -DAB_KERNEL=kernel_a -DAB
 g++ "${common[@]}" -I"$work/b/src" -DATTN_SIMD_NS=ab_b -DAB_KERNEL=kernel_b -DAB_DECODE=decode_b \
   -c "$root/scripts/ab_tu.cpp" -o "$work/b.o"
 wait $!
+bf16_objs=()
+if [[ "$isa" == avx512_bf16 ]]; then  # the bf16 kernels are .cpp files: each tree's, renamed
+  for t in a b; do
+    g++ "${common[@]}" -I"$work/$t/src" -Dbf16_kernel_avx512=bf16_kernel_$t \
+      -c "$work/$t/src/sdpa/cpu/flash_avx512_bf16.cpp" -o "$work/fwd16_$t.o"
+    g++ "${common[@]}" -I"$work/$t/src" -Dbf16_backward_avx512=bf16_backward_$t \
+      -c "$work/$t/src/sdpa/cpu/flash_bwd_avx512_bf16.cpp" -o "$work/bwd16_$t.o"
+    bf16_objs+=("$work/fwd16_$t.o" "$work/bwd16_$t.o")
+  done
+fi
 # Linked four ways: A's kernels first or B's, each behind 16 or 48 bytes of padding. Where a
 # build's code lands moves its speed (the same source in both namespaces measured A/B 0.89-0.98
 # linked one way and 1.11 the other, on Zen 3), so the layouts' medians are combined (their
@@ -80,7 +92,8 @@ medians=()
 for layout in ab16 ba16 ab48 ba48; do
   objs=("$work/a.o" "$work/b.o")
   [[ "$layout" == ba* ]] && objs=("$work/b.o" "$work/a.o")
-  g++ -fopenmp "$work/main.o" "$work/pad${layout:2}.o" "${objs[@]}" "$build/libattn.a" -lfmt -lopenblas -o "$work/ab_kernels"
+  g++ -fopenmp "$work/main.o" "$work/pad${layout:2}.o" "${objs[@]}" ${bf16_objs[@]+"${bf16_objs[@]}"} "$build/libattn.a" \
+    -lfmt -lopenblas -o "$work/ab_kernels"
   printf '%s first, +%s bytes: ' "$([[ "$layout" == ab* ]] && echo A || echo B)" "${layout:2}"
   line="$("$work/ab_kernels" "$@")"
   echo "$line"
