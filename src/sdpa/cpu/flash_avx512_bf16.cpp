@@ -20,8 +20,10 @@
 // Between them, per half of the block's queries: one pass for the max, then one that takes each
 // pair of keys through the exponent into pp (st is read once and not written back; with dropout
 // P^T is stored, dropped, then paired), and ob's rows are rescaled only where the max moved.
-// Those three passes were ~30 % of the forward's time (perf, one thread, L 2048, E 64, causal,
-// AMD Zen 4), the products ~70 %.
+// The element-wise work between the products (scale, max, exponent, pairing, rescale) took ~30 %
+// of the forward's time when each was a pass of its own (perf, one thread, L 2048, E 64, causal,
+// AMD Zen 4; the products ~70 %); as above, 1.05-1.07x faster, the same bits (Zen 4, 2 threads,
+// scripts/ab_kernels.sh -i avx512_bf16 ... fwd16).
 // Memory traffic per block: K and V of the head stream once in bf16 (half of float32's bytes).
 //
 // Numerics: products of two bf16 are exact in float32; vdpbf16ps treats bf16 subnormals as zero
