@@ -70,7 +70,8 @@ tmp=$(mktemp -d /tmp/attn-netns.XXXXXX)
 exec 9>/tmp/attn-netns.lock; flock 9
 s=$(( $$ % 250 + 1 ))
 for _ in $(seq 250); do
-  ip -4 -o addr show | grep -q " 10\.213\.$s\." || break
+  # No grep -q: under pipefail, ip ended by SIGPIPE after an early match would read as "free".
+  ip -4 -o addr show | grep " 10\.213\.$s\." >/dev/null || break
   s=$(( s % 250 + 1 ))
 done
 net="10.213.$s"

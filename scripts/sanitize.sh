@@ -135,7 +135,9 @@ stage_tsan() {
     { fail "build-tsan is configured with another compiler; remove build-tsan/"; return 1; }
   cmake --build build-tsan -j "$jobs" --target attn_tests attn_soak >build-tsan/build.log 2>&1 ||
     { tail -30 build-tsan/build.log; fail "TSan build (build-tsan/build.log)"; return 1; }
-  ldd build-tsan/attn_tests | grep -q 'libomp' || { fail "attn_tests is not linked with LLVM's libomp"; return 1; }
+  # grep reads to the end (no -q): under pipefail, grep -q leaving at the first match can end
+  # ldd by SIGPIPE while it still writes, and the pipeline fails (a CI run failed so, 2026-12-01).
+  ldd build-tsan/attn_tests | grep 'libomp' >/dev/null || { fail "attn_tests is not linked with LLVM's libomp"; return 1; }
 
   rm -f build-tsan/ctest-output.txt build-tsan/soak.txt
   tsan_base="halt_on_error=1 ignore_noninstrumented_modules=1 second_deadlock_stack=1"
