@@ -87,16 +87,31 @@ void time_pairs(int pairs, Call call, double work, const char* unit, double out_
               ratio[3 * pairs / 4], pairs, out_diff);
 }
 
+// fwd/bwd/fwd16/bwd16's arguments H L E CAUSAL PAIRS [THREADS] and the square problem they give.
+struct FlashArgs {
+  int H, pairs, T;
+  int64_t L, E;
+  bool causal;
+  FlashBwdParams p;
+};
+FlashArgs flash_args(char** argv) {
+  FlashArgs a{std::atoi(argv[2]), std::atoi(argv[6]), 1, std::atoll(argv[3]), std::atoll(argv[4]), std::atoi(argv[5]) != 0, {}};
+  FlashBwdParams& p = a.p;
+  p.L = p.S = a.L, p.E = p.Ev = a.E, p.q_row = p.k_row = p.v_row = p.o_row = a.E;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(a.E));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.causal = a.causal;
+  return a;
+}
+
 int flash(bool backward, int argc, char** argv) {
   if (argc < 7) return 2;
-  const int H = std::atoi(argv[2]), pairs = std::atoi(argv[6]), T = argc > 7 ? std::atoi(argv[7]) : 1;
-  const int64_t L = std::atoll(argv[3]), E = std::atoll(argv[4]);
-  const bool causal = std::atoi(argv[5]) != 0;
-  FlashBwdParams p;
-  p.L = p.S = L, p.E = p.Ev = E, p.q_row = p.k_row = p.v_row = p.o_row = E;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(E));
-  p.scale_log2 = p.scale * 1.4426950408889634f;
-  p.causal = causal;
+  FlashArgs a = flash_args(argv);
+  if (argc > 7) a.T = std::atoi(argv[7]);
+  const int H = a.H, pairs = a.pairs, T = a.T;
+  const int64_t L = a.L, E = a.E;
+  const bool causal = a.causal;
+  const FlashBwdParams& p = a.p;
   std::mt19937 g(1);
   const size_t n = static_cast<size_t>(H * L * E);
   const Vec q = randn(n, g), k = randn(n, g), v = randn(n, g), dout = randn(n, g);
@@ -190,14 +205,12 @@ int flash16(bool backward, int argc, char** argv) {
     std::fprintf(stderr, "ab_kernels: fwd16 and bwd16 need the avx512_bf16 build (ab_kernels.sh -i avx512_bf16)\n");
     return 2;
   }
-  const int H = std::atoi(argv[2]), pairs = std::atoi(argv[6]), T = argc > 7 ? std::atoi(argv[7]) : 1;
-  const int64_t L = std::atoll(argv[3]), E = std::atoll(argv[4]);
-  const bool causal = std::atoi(argv[5]) != 0;
-  FlashBwdParams p;
-  p.L = p.S = L, p.E = p.Ev = E, p.q_row = p.k_row = p.v_row = p.o_row = E;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(E));
-  p.scale_log2 = p.scale * 1.4426950408889634f;
-  p.causal = causal;
+  FlashArgs a = flash_args(argv);
+  if (argc > 7) a.T = std::atoi(argv[7]);
+  const int H = a.H, pairs = a.pairs, T = a.T;
+  const int64_t L = a.L, E = a.E;
+  const bool causal = a.causal;
+  const FlashBwdParams& p = a.p;
   std::mt19937 g(1);
   const size_t n = static_cast<size_t>(H * L * E);
   const std::vector<uint16_t> q = to_bf16(randn(n, g)), k = to_bf16(randn(n, g)), v = to_bf16(randn(n, g)),
@@ -298,15 +311,10 @@ int decode(int argc, char** argv) {
   std::mt19937 g(1);
   std::vector<Vec> K, V;  // float32 caches
   std::vector<std::vector<uint16_t>> K16, V16;  // bf16 caches
-  auto rounded = [](const Vec& x) {
-    std::vector<uint16_t> h(x.size());
-    for (size_t i = 0; i < x.size(); ++i) h[i] = attn::float_to_bf16(x[i]).bits;
-    return h;
-  };
   for (int c = 0; c < copies; ++c) {
     Vec k = randn(static_cast<size_t>(Hkv * S * E), g), v = randn(static_cast<size_t>(Hkv * S * E), g);
     if (bf16) {
-      K16.push_back(rounded(k)), V16.push_back(rounded(v));
+      K16.push_back(to_bf16(k)), V16.push_back(to_bf16(v));
     } else {
       K.push_back(std::move(k)), V.push_back(std::move(v));
     }
