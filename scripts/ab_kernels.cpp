@@ -12,10 +12,15 @@
 //          -i avx512_bf16 builds it)
 //   bwd16  H L E CAUSAL PAIRS [THREADS]   its backward (flash_bwd_avx512_bf16.cpp) over the same,
 //          D given (as from the forward's output_residual, the training path)
-//   decode HKV R S E COPIES PAIRS [THREADS [KV]]  decode_split: HKV kv heads of S keys, R query
+//   decode HKV R S E COPIES PAIRS [THREADS [KV [PAGE]]]  decode_split: HKV kv heads of S keys, R query
 //          rows each (GQA group x new tokens), K/V rotating among COPIES copies (1: from the
 //          caches); KV: f32 (default), bf16 (a bf16 cache, float32 queries) or bf16q (bf16
-//          queries too: the dot unit's path, in a build with -mavx512bf16, ab_kernels.sh -i avx512_bf16)
+//          queries too: the dot unit's path, in a build with -mavx512bf16, ab_kernels.sh -i avx512_bf16);
+//          PAGE: a paged pool of PAGE-token pages (kv_cache.hpp's layout, the pages in order) read
+//          as paged_attention reads it, key ranges with every kv head together (0, the default:
+//          dense, a task per kv head and key range, as the driver splits them); PAGE_A:PAGE_B
+//          gives each build its own layout, e.g. `16:0` with one tree twice: paged / dense time
+//          in one process. K/V on transparent huge pages, as the library allocates them
 //
 // Prints the median time of each build, A's time over B's (median and quartiles of the per-pair
 // ratios: above 1, B is faster) and the largest difference between their outputs.
@@ -30,6 +35,7 @@
 #include <vector>
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include "attn/dtype.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
@@ -296,29 +302,75 @@ int flash16(bool backward, int argc, char** argv) {
   return 0;
 }
 
+// A buffer of 2 MiB pages with transparent huge pages asked for, as the library's allocator
+// gives large tensors (core/allocator.cpp): on 4 KiB pages every 4 KiB of K/V costs a TLB miss
+// that the decode kernel's prefetches wait on, so a std::vector's memory times another kernel.
+template <typename T>
+struct HugeBuf {
+  T* p = nullptr;
+  explicit HugeBuf(size_t count) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    const size_t bytes = (count * sizeof(T) + kHuge - 1) / kHuge * kHuge;
+    p = static_cast<T*>(std::aligned_alloc(kHuge, bytes));
+    if (p == nullptr) std::abort();
+    madvise(p, bytes, MADV_HUGEPAGE);
+  }
+  HugeBuf(HugeBuf&& o) noexcept : p(o.p) { o.p = nullptr; }
+  HugeBuf(const HugeBuf&) = delete;
+  ~HugeBuf() { std::free(p); }
+};
+
 int decode(int argc, char** argv) {
   if (argc < 8) return 2;
   const int64_t Hkv = std::atoll(argv[2]), R = std::atoll(argv[3]), S = std::atoll(argv[4]), E = std::atoll(argv[5]);
   const int copies = std::atoi(argv[6]), pairs = std::atoi(argv[7]), T = argc > 8 ? std::atoi(argv[8]) : 1;
   const std::string kv_kind = argc > 9 ? argv[9] : "f32";
+  // PAGE, or PAGE_A:PAGE_B (each build its own layout: A/B is then paged / dense in one process).
+  const std::string page_arg = argc > 10 ? argv[10] : "0";
+  const size_t colon = page_arg.find(':');
+  const int64_t Pw[2] = {std::atoll(page_arg.substr(0, colon).c_str()),
+                         std::atoll(colon == std::string::npos ? page_arg.c_str() : page_arg.substr(colon + 1).c_str())};
   if (kv_kind != "f32" && kv_kind != "bf16" && kv_kind != "bf16q") return 2;
+  for (const int64_t P : Pw) {
+    if (P < 0 || (P > 0 && S % P != 0)) return 2;
+  }
   const bool bf16 = kv_kind != "f32";
+  const size_t esize = bf16 ? 2 : 4;
   DecodeParams p;
   p.E = p.Ev = E, p.Ep = p.Evp = (E + 15) / 16 * 16;
   p.scale_log2 = 1.4426950408889634f / std::sqrt(static_cast<float>(E));
   p.kv = bf16 ? KvType::kBFloat16 : KvType::kFloat32;
   p.q_bf16 = kv_kind == "bf16q";
   std::mt19937 g(1);
-  std::vector<Vec> K, V;  // float32 caches
-  std::vector<std::vector<uint16_t>> K16, V16;  // bf16 caches
+  // Each copy's K and V: dense (Hkv, S, E), or with P a pool (S / P pages, Hkv, P, E) whose
+  // block table lists the pages in order, as attn bench's one sequence (kv_cache.hpp's layout).
+  std::vector<HugeBuf<char>> K[2], V[2];
+  const auto elems = static_cast<size_t>(Hkv * S * E);
+  auto place = [&](const Vec& x, int64_t P, char* dst) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t row = P > 0 ? ((j / P) * Hkv + h) * P + j % P : h * S + j;
+        const float* src = x.data() + (h * S + j) * E;
+        if (bf16) {
+          auto* d = reinterpret_cast<uint16_t*>(dst) + row * E;
+          for (int64_t e = 0; e < E; ++e) d[e] = attn::float_to_bf16(src[e]).bits;
+        } else {
+          std::memcpy(reinterpret_cast<float*>(dst) + row * E, src, static_cast<size_t>(E) * sizeof(float));
+        }
+      }
+    }
+  };
+  const int layouts = Pw[0] == Pw[1] ? 1 : 2;  // build w reads layout w % layouts
   for (int c = 0; c < copies; ++c) {
-    Vec k = randn(static_cast<size_t>(Hkv * S * E), g), v = randn(static_cast<size_t>(Hkv * S * E), g);
-    if (bf16) {
-      K16.push_back(to_bf16(k)), V16.push_back(to_bf16(v));
-    } else {
-      K.push_back(std::move(k)), V.push_back(std::move(v));
+    const Vec k = randn(elems, g), v = randn(elems, g);
+    for (int l = 0; l < layouts; ++l) {
+      K[l].emplace_back(elems * esize), V[l].emplace_back(elems * esize);
+      place(k, Pw[l], K[l].back().p), place(v, Pw[l], V[l].back().p);
     }
   }
+  const int64_t Pmin = std::max<int64_t>(1, std::min(Pw[0] > 0 ? Pw[0] : S, Pw[1] > 0 ? Pw[1] : S));
+  std::vector<int64_t> table(static_cast<size_t>(S / Pmin));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int64_t>(i);
   Vec q(static_cast<size_t>(Hkv * R * p.Ep), 0.0f);  // rows zero-padded to Ep, as the driver packs them
   Vec qr = randn(static_cast<size_t>(Hkv * R * E), g);
   if (p.q_bf16) {
@@ -328,39 +380,64 @@ int decode(int argc, char** argv) {
   const std::vector<int64_t> pos(static_cast<size_t>(R), 0);
   const std::vector<const float*> mask(static_cast<size_t>(R), nullptr);
   const int64_t part = R * (p.Evp + 2);
-  Vec out[2] = {Vec(static_cast<size_t>(Hkv * part)), Vec(static_cast<size_t>(Hkv * part))};
+  // The driver's tasks (decode.cpp's run_decode, one sequence, about 64 items): key ranges of
+  // max(512, S / per) keys rounded to whole chunks, per = 64 with paged pages (every kv head of
+  // a range in one task) or ceil(64 / Hkv) dense (a task per kv head and range).
+  auto range_len = [&](int64_t P) {
+    const int64_t per = P > 0 ? 64 : (64 + Hkv - 1) / Hkv;
+    return (std::max<int64_t>(512, (S + per - 1) / per) + 63) / 64 * 64;
+  };
+  const int64_t shortest = std::min(range_len(Pw[0]), range_len(Pw[1]));
+  const int64_t ranges = (S + shortest - 1) / shortest;  // the most ranges of a kv head
+  Vec out[2] = {Vec(static_cast<size_t>(Hkv * ranges * part)), Vec(static_cast<size_t>(Hkv * ranges * part))};
   const DecodeKernel* D[2] = {&decode_a(), &decode_b()};
-  const int64_t ws_n = std::max(D[0]->workspace_floats(R, p.Ep, p.Evp, 1), D[1]->workspace_floats(R, p.Ep, p.Evp, 1));
+  const int64_t ws_n = std::max(D[0]->workspace_floats(R, p.Ep, p.Evp, Hkv), D[1]->workspace_floats(R, p.Ep, p.Evp, Hkv));
   std::vector<Vec> ws(static_cast<size_t>(T), Vec(static_cast<size_t>(ws_n)));
   int next = 0;  // the copy the next timed call reads
   auto run = [&](int w, int copy) {
-#pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t h = 0; h < Hkv; ++h) {
+    const auto c = static_cast<size_t>(copy);
+    const int64_t P = Pw[w];
+    const auto& Kl = K[w % layouts];
+    const auto& Vl = V[w % layouts];
+    const int64_t len = range_len(P), nr = (S + len - 1) / len;
+    const int64_t heads = P > 0 ? Hkv : 1, tasks = P > 0 ? nr : Hkv * nr;
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
       const FlushDenormals ftz;  // as the library's drivers run the kernels
-      DecodeKv kv;
-      const auto c = static_cast<size_t>(copy);
-      if (bf16) {
-        kv.k = K16[c].data() + h * S * E, kv.v = V16[c].data() + h * S * E;
-      } else {
-        kv.k = K[c].data() + h * S * E, kv.v = V[c].data() + h * S * E;
+      std::vector<DecodeKv> kvs(static_cast<size_t>(heads));
+      std::vector<DecodeItem> its;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const int64_t h = P > 0 ? hh : t / nr, r = P > 0 ? t : t % nr;
+        DecodeKv& kv = kvs[static_cast<size_t>(hh)];
+        const int64_t j0 = r * len, j1 = std::min(S, j0 + len);
+        if (P > 0) {
+          kv.k = Kl[c].p + h * P * E * esize, kv.v = Vl[c].p + h * P * E * esize;
+          kv.k_page = kv.v_page = Hkv * P * E, kv.pages = table.data(), kv.page_size = P;
+        } else {
+          kv.k = Kl[c].p + h * S * E * esize, kv.v = Vl[c].p + h * S * E * esize;
+          kv.page_size = S;  // one page: the whole head, as the driver sets it
+        }
+        kv.k_row = kv.v_row = E, kv.S = S;
+        float* o = out[w].data() + (h * ranges + r) * part;
+        its.push_back(DecodeItem{q.data() + h * R * p.Ep, pos.data(), mask.data(), nullptr, R, j0, j1, o, o + R, o + 2 * R});
       }
-      kv.k_row = kv.v_row = E, kv.S = S, kv.page_size = S;  // one page: the whole head, as the driver sets it
-      float* o = out[w].data() + h * part;
-      const DecodeItem it{q.data() + h * R * p.Ep, pos.data(), mask.data(), nullptr, R, 0, S, o, o + R, o + 2 * R};
-      D[w]->split(p, &kv, &it, 1, ws[static_cast<size_t>(omp_get_thread_num())].data());
+      D[w]->split(p, kvs.data(), its.data(), heads, ws[static_cast<size_t>(omp_get_thread_num())].data());
     }
   };
   run(0, 0);
   run(1, 0);
-  std::printf("decode H_kv %lld, %lld rows each, S %lld, E %lld, %s, %d K/V copies, %d thread(s): ",
+  auto layout = [&](int64_t P) { return P > 0 ? "pages of " + std::to_string(P) : std::string("dense"); };
+  std::printf("decode H_kv %lld, %lld rows each, S %lld, E %lld, %s, %s, %d K/V copies, %d thread(s): ",
               static_cast<long long>(Hkv), static_cast<long long>(R), static_cast<long long>(S),
-              static_cast<long long>(E), kv_kind.c_str(), copies, T);
-  const double diff = max_diff(out[0], out[1]);
+              static_cast<long long>(E), kv_kind.c_str(),
+              (layouts == 1 ? layout(Pw[0]) : "A " + layout(Pw[0]) + ", B " + layout(Pw[1])).c_str(), copies, T);
+  // Partials of different layouts split the keys differently: compared only within one.
+  const double diff = layouts == 1 ? max_diff(out[0], out[1]) : 0.0;
   auto call = [&](int w) {
     next = (next + 1) % copies;
     run(w, next);
   };
-  time_pairs(pairs, call, 2.0 * Hkv * S * E * (bf16 ? 2 : 4), "GB/s of K/V", diff);
+  time_pairs(pairs, call, 2.0 * Hkv * S * E * static_cast<double>(esize), "GB/s of K/V", diff);
   return 0;
 }
 
@@ -375,7 +452,7 @@ int main(int argc, char** argv) {
   if (rc == 2) {
     std::fprintf(stderr,
                  "usage: ab_kernels fwd|bwd|fwd16|bwd16 H L E CAUSAL PAIRS [THREADS]\n"
-                 "       ab_kernels decode H_KV ROWS S E COPIES PAIRS [THREADS [f32|bf16|bf16q]]\n");
+                 "       ab_kernels decode H_KV ROWS S E COPIES PAIRS [THREADS [f32|bf16|bf16q [PAGE]]]\n");
   }
   return rc;
 }

@@ -8,8 +8,10 @@
 #
 # REV is a git revision (its src/ is exported), `worktree` (the working tree's src/) or a
 # directory holding a src/ (an experiment's copy). MODE and ARGS are ab_kernels.cpp's:
-# `fwd|bwd H L E CAUSAL PAIRS [THREADS]` or `decode H_KV ROWS S E COPIES PAIRS [THREADS [KV]]`, KV f32,
-# bf16 or bf16q (bf16 queries too: the bf16 dot unit's path, -i avx512_bf16); with -i avx512_bf16
+# `fwd|bwd H L E CAUSAL PAIRS [THREADS]` or `decode H_KV ROWS S E COPIES PAIRS [THREADS [KV [PAGE]]]`, KV f32,
+# bf16 or bf16q (bf16 queries too: the bf16 dot unit's path, -i avx512_bf16), PAGE a paged pool
+# of PAGE-token pages (0: dense), PAGE_A:PAGE_B a layout per build (16:0 with HEAD HEAD: paged
+# over dense in one process); with -i avx512_bf16
 # also `fwd16|bwd16 H L E CAUSAL PAIRS [THREADS]`, the AVX512-BF16 forward and backward on bf16
 # inputs (the trees' flash_avx512_bf16.cpp and flash_bwd_avx512_bf16.cpp, their accessors
 # renamed). e.g., a change to flash_kernel.hpp against HEAD:

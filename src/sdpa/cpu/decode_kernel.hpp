@@ -459,7 +459,13 @@ namespace attn::cpu::ATTN_SIMD_NS {
 // this order, 27.7 in memory order and 28.5 from dense per-head rows: the order is worth ~3 %.
 // The kernel lost more than that to its 16-token blocks (each reloads its accumulators, restarts
 // its L1 prefetch): bf16 paged / contiguous 1.17-1.30 against 1.10-1.20 in the same runs, and
-// 20 % slower with K/V in the cache.
+// 20 % slower with K/V in the cache. Paired in one process (scripts/ab_kernels.sh -i avx512_bf16
+// HEAD HEAD -- decode 8 4 8192 128 9 40 T bf16 16:0, Zen 4): paged / dense 1.06-1.10 on one
+// thread, 1.10-1.12 on two, so most of the cost is a thread's, not the memory's. Tried and not
+// kept (time ratios old / new, 16-token pages and dense): key rows prefetched 64 tokens ahead,
+// not 16 (1.00 and 0.97-0.99); key rows also into L1 kL1Ahead on (1.02 and 0.97); chunk_rows with
+// one division per chunk (1.00). A plain read probe in this order with arithmetic between the
+// rows lost ~10 % to memory order at 16 rows ahead and nothing at 64; the kernel did not follow.
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads, float* ws) {
   const DecodeItem& it0 = its[0];
