@@ -463,9 +463,12 @@ namespace attn::cpu::ATTN_SIMD_NS {
 // HEAD HEAD -- decode 8 4 8192 128 9 40 T bf16 16:0, Zen 4): paged / dense 1.06-1.10 on one
 // thread, 1.10-1.12 on two, so most of the cost is a thread's, not the memory's. Tried and not
 // kept (time ratios old / new, 16-token pages and dense): key rows prefetched 64 tokens ahead,
-// not 16 (1.00 and 0.97-0.99); key rows also into L1 kL1Ahead on (1.02 and 0.97); chunk_rows with
-// one division per chunk (1.00). A plain read probe in this order with arithmetic between the
-// rows lost ~10 % to memory order at 16 rows ahead and nothing at 64; the kernel did not follow.
+// not 16 (1.00 and 0.97-0.99); key rows also into L1 kL1Ahead on (1.02 and 0.97), or only the
+// first two rows after each jump between blocks (0.99-1.00 and 0.98); chunk_rows with one
+// division per chunk (1.00). perf (one thread): the extra time is in the pipelined P.V loop, at
+// the widening of the key rows its inline scores load. A plain read probe in this order with
+// arithmetic between the rows lost ~10 % to memory order at 16 rows ahead and nothing at 64;
+// the kernel did not follow.
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads, float* ws) {
   const DecodeItem& it0 = its[0];
