@@ -466,9 +466,9 @@ namespace attn::cpu::ATTN_SIMD_NS {
 // not 16 (1.00 and 0.97-0.99); key rows also into L1 kL1Ahead on (1.02 and 0.97), or only the
 // first two rows after each jump between blocks (0.99-1.00 and 0.98); chunk_rows with one
 // division per chunk (1.00). perf (one thread): the extra time is in the pipelined P.V loop, at
-// the widening of the key rows its inline scores load. A plain read probe in this order with
-// arithmetic between the rows lost ~10 % to memory order at 16 rows ahead and nothing at 64;
-// the kernel did not follow.
+// the widening of the key rows its inline scores load. A plain read loop in this order with
+// arithmetic between the rows (scripts/paged_read_order.cpp) lost 11-15 % to memory order at 16
+// rows ahead and nothing at 64; the kernel, whose values go a chunk ahead already, did not follow.
 template <KvType T>
 inline void decode_split_t(const DecodeParams& p, const DecodeKv* kvs, const DecodeItem* its, int64_t heads, float* ws) {
   const DecodeItem& it0 = its[0];
