@@ -100,8 +100,9 @@ struct FlashArgs {
   bool causal;
   FlashBwdParams p;
 };
-FlashArgs flash_args(char** argv) {
-  FlashArgs a{std::atoi(argv[2]), std::atoi(argv[6]), 1, std::atoll(argv[3]), std::atoll(argv[4]), std::atoi(argv[5]) != 0, {}};
+FlashArgs flash_args(int argc, char** argv) {
+  FlashArgs a{std::atoi(argv[2]), std::atoi(argv[6]), argc > 7 ? std::atoi(argv[7]) : 1, std::atoll(argv[3]),
+              std::atoll(argv[4]), std::atoi(argv[5]) != 0, {}};
   FlashBwdParams& p = a.p;
   p.L = p.S = a.L, p.E = p.Ev = a.E, p.q_row = p.k_row = p.v_row = p.o_row = a.E;
   p.scale = 1.0f / std::sqrt(static_cast<float>(a.E));
@@ -112,12 +113,7 @@ FlashArgs flash_args(char** argv) {
 
 int flash(bool backward, int argc, char** argv) {
   if (argc < 7) return 2;
-  FlashArgs a = flash_args(argv);
-  if (argc > 7) a.T = std::atoi(argv[7]);
-  const int H = a.H, pairs = a.pairs, T = a.T;
-  const int64_t L = a.L, E = a.E;
-  const bool causal = a.causal;
-  const FlashBwdParams& p = a.p;
+  const auto [H, pairs, T, L, E, causal, p] = flash_args(argc, argv);
   std::mt19937 g(1);
   const size_t n = static_cast<size_t>(H * L * E);
   const Vec q = randn(n, g), k = randn(n, g), v = randn(n, g), dout = randn(n, g);
@@ -211,12 +207,7 @@ int flash16(bool backward, int argc, char** argv) {
     std::fprintf(stderr, "ab_kernels: fwd16 and bwd16 need the avx512_bf16 build (ab_kernels.sh -i avx512_bf16)\n");
     return 2;
   }
-  FlashArgs a = flash_args(argv);
-  if (argc > 7) a.T = std::atoi(argv[7]);
-  const int H = a.H, pairs = a.pairs, T = a.T;
-  const int64_t L = a.L, E = a.E;
-  const bool causal = a.causal;
-  const FlashBwdParams& p = a.p;
+  const auto [H, pairs, T, L, E, causal, p] = flash_args(argc, argv);
   std::mt19937 g(1);
   const size_t n = static_cast<size_t>(H * L * E);
   const std::vector<uint16_t> q = to_bf16(randn(n, g)), k = to_bf16(randn(n, g)), v = to_bf16(randn(n, g)),
