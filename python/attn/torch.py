@@ -534,6 +534,8 @@ def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         return f"{query.dim()}-D inputs (attn takes 2-D to 4-D)"
     if query.shape[:-3] != key.shape[:-3] or query.shape[:-3] != value.shape[:-3]:
         return "broadcast batch dims"
+    if any(t.numel() == 0 for t in ts):  # PyTorch's answer: empty, or zeros when S = 0
+        return "empty tensors (attn takes none)"
     if attn_mask is not None and attn_mask.dim() > 4:
         return "a mask of more than 4 dims"
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
@@ -589,9 +591,9 @@ class patch:
 
     ``attn.torch.patch()`` / ``patch(True)`` turns it on at once, ``patch(False)`` off; used as a
     context manager (``with attn.torch.patch():``) it restores the previous state on exit.
-    Calls attn cannot take (GPU or nested tensors, integer dtypes, more than 4 dims, a mask that
-    requires grad, ...) go to PyTorch's own, with one RuntimeWarning per reason. Code that bound
-    the function before patching (``from torch.nn.functional import
+    Calls attn cannot take (GPU or nested tensors, integer dtypes, more than 4 dims, empty
+    tensors, a mask that requires grad, ...) go to PyTorch's own, with one RuntimeWarning per
+    reason. Code that bound the function before patching (``from torch.nn.functional import
     scaled_dot_product_attention``) keeps PyTorch's. The patch is process-wide (it sets a
     module attribute), not per thread. Under torch.compile a call attn refuses only at run time
     (a shape or value its own checks reject) raises instead of falling back.

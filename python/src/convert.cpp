@@ -98,6 +98,15 @@ bool is(const nb::dlpack::dtype& dt, dtype_code code, int bits) {
   return dt.code == static_cast<uint8_t>(code) && dt.bits == bits && dt.lanes == 1;
 }
 
+// An array's data for a view: an empty one's may be null (torch's storage-less empty tensors
+// through DLPack), which would read as an undefined tensor ("query is undefined") where NumPy's
+// empty arrays, whose pointer is not null, get the library's own message ("query is empty
+// (shape [2, 0, 8])"). No element is ever read through it.
+void* view_data(const nb::ndarray<nb::ro>& a) {
+  alignas(64) static uint8_t no_elements[64] = {};
+  return a.data() != nullptr || a.size() != 0 ? const_cast<void*>(a.data()) : no_elements;
+}
+
 }  // namespace
 
 std::string dtype_name(const nb::dlpack::dtype& dt) {
@@ -129,7 +138,7 @@ Input float_input(nb::handle obj, const char* arg) {
       Shape strides;
       for (size_t i = 0; i < a.ndim(); ++i) strides.push_back(a.stride(i));
       // The kernels never write through input views, so dropping const is safe.
-      in.view = TensorView(static_cast<float*>(const_cast<void*>(a.data())), shape, strides);
+      in.view = TensorView(static_cast<float*>(view_data(a)), shape, strides);
       return in;
     }
     in.copy = Tensor::empty(shape);
@@ -197,7 +206,7 @@ Input sdpa_input(nb::handle obj, const char* arg, bool bf16_bits) {
     Shape strides;
     for (size_t i = 0; i < a.ndim(); ++i) strides.push_back(a.stride(i));
     // The kernels never write through input views, so dropping const is safe.
-    in.view = TensorView(const_cast<void*>(a.data()), dtype, shape, strides);
+    in.view = TensorView(view_data(a), dtype, shape, strides);
     return in;
   }
   in.copy = Tensor::empty(shape, dtype);

@@ -194,6 +194,20 @@ def test_patch_falls_back_for_what_attn_cannot_take_and_warns_once():
     assert at.call_counts()["fallback"] == 3 and at.call_counts()["sdpa_forward"] == 0
 
 
+def test_patch_hands_empty_tensors_to_pytorch():
+    # PyTorch answers them (an empty output, or zeros for no keys); attn takes none.
+    q, none = torch.randn(1, 2, 4, 8), torch.empty(1, 2, 0, 8)
+    at.reset_call_counts()
+    with at.patch(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        no_keys = F.scaled_dot_product_attention(q, none, none)
+        no_batch = F.scaled_dot_product_attention(q[:0], q[:0], q[:0])
+    assert no_keys.shape == (1, 2, 4, 8) and torch.equal(no_keys, at._torch_sdpa(q, none, none))
+    assert no_batch.shape == (0, 2, 4, 8)
+    assert sum("falls back to PyTorch's own for empty tensors" in str(w.message) for w in caught) == 1
+    assert at.call_counts()["fallback"] == 2 and at.call_counts()["sdpa_forward"] == 0
+
+
 def test_patch_true_and_false_switch_it_globally():
     try:
         at.patch(True)

@@ -5,6 +5,7 @@ torch.compile; zero-copy; threads; dropout; bad input.
 Accuracy rule (FlashAttention's): attn's max error against the float64 truth is at most twice
 PyTorch's math path's (same dtype, same inputs) plus a small floor."""
 import math
+import re
 import threading
 import warnings
 
@@ -294,6 +295,18 @@ def test_bad_input_raises_a_clear_error_naming_the_argument():
         at.scaled_dot_product_attention(q, k, v, torch.zeros(4, 5, requires_grad=True))
     with pytest.raises(ValueError, match="softcap"):
         at.scaled_dot_product_attention(q, k, v, softcap=-1.0)
+    # torch's empty tensors have no storage (data_ptr 0): named empty, as NumPy's are, not
+    # "undefined" (the patch hands them to PyTorch: test_patch_models.py).
+    for qq, kk, vv, name, shape in [(q[:0], k[:0], v[:0], "query", "[0, 2, 4, 8]"),
+                                    (q[:, :, :0], k, v, "query", "[1, 2, 0, 8]"),
+                                    (q, k[:, :, :0], v[:, :, :0], "key", "[1, 2, 0, 8]"),
+                                    (q, k, v[..., :0], "value", "[1, 2, 5, 0]")]:
+        want = rf"^scaled_dot_product_attention: {name} is empty \(shape {re.escape(shape)}\)$"
+        fresh = [torch.empty(x.shape) for x in (qq, kk, vv)]
+        with pytest.raises(ValueError, match=want):  # the eager plain path
+            at.scaled_dot_product_attention(*fresh)
+        with pytest.raises(ValueError, match=want):  # the autograd path
+            at.scaled_dot_product_attention(fresh[0].requires_grad_(), *fresh[1:])
 
 
 def test_one_openmp_runtime_serves_attn_and_torch():

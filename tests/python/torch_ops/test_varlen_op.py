@@ -54,6 +54,18 @@ def test_gradcheck_in_float64_with_lse():
     assert (out[a:b].transpose(0, 1) - want).abs().max() < 1e-12
 
 
+def test_a_batch_of_empty_sequences_gives_empty_outputs_and_gradients():
+    # A serving loop's batch can hold no tokens at all: torch's empty tensors (no storage,
+    # data_ptr 0) were once read as undefined ("query is undefined") where NumPy's worked.
+    q = torch.empty(0, 4, 16, requires_grad=True)
+    kv = torch.empty(0, 2, 16, requires_grad=True)
+    cu = torch.zeros(3, dtype=torch.int32)
+    out = at.varlen_attention(q, kv, kv, cu, cu, 0, 0, is_causal=True, enable_gqa=True)
+    assert out.shape == (0, 4, 16)
+    dq, dkv = torch.autograd.grad(out.sum(), (q, kv))
+    assert dq.shape == q.shape and dkv.shape == kv.shape
+
+
 def test_compile_fullgraph():
     q, k, v, cu = packed(torch.float32)
 
