@@ -319,10 +319,26 @@ limit_bytes, cached_bytes, cached_blocks, and the hits and misses of large alloc
   m.def("empty_cache", [] { empty_cache(); },
         "Frees every kept tensor block (torch.cuda.empty_cache()'s name); the limit stays.");
 
-  m.def("manual_seed", [](uint64_t seed) {
+  m.def("manual_seed", [](nb::handle seed) {
+    // As torch.manual_seed: int(seed), in [-2^63, 2^64 - 1], a negative one taken modulo 2^64
+    // (manual_seed(-1) seeds with 2^64 - 1, as PyTorch's does); outside that range ValueError.
+    const nb::object n = nb::steal(PyNumber_Long(seed.ptr()));
+    if (!n.is_valid()) throw nb::python_error();
+    int overflow = 0;
+    const long long s = PyLong_AsLongLongAndOverflow(n.ptr(), &overflow);
+    uint64_t value = static_cast<uint64_t>(s);
+    if (overflow > 0) {
+      value = PyLong_AsUnsignedLongLong(n.ptr());
+      if (PyErr_Occurred() != nullptr) PyErr_Clear(), overflow = -1;
+    }
+    if (overflow < 0) {
+      throw nb::value_error(("manual_seed: seed must be in [-2**63, 2**64 - 1] (torch.manual_seed's range), got " +
+                             nb::cast<std::string>(nb::str(n))).c_str());
+    }
     std::lock_guard<std::mutex> lock(rng_mutex);
-    manual_seed(seed);
-  }, "seed"_a, "torch.manual_seed: seeds attn's default generator (PyTorch's CPU generator, bit for bit).");
+    manual_seed(value);
+  }, "seed"_a, "torch.manual_seed: seeds attn's default generator (PyTorch's CPU generator, bit for bit); "
+               "int(seed) in [-2**63, 2**64 - 1], a negative seed taken modulo 2**64 as PyTorch does.");
   m.def("rand", [](std::vector<int64_t> size) {
     std::lock_guard<std::mutex> lock(rng_mutex);
     return to_numpy(rand(Shape(std::span<const int64_t>(size))));

@@ -105,6 +105,25 @@ def test_embedding_ids():
         emb(np.array([1.0]))
 
 
+def test_manual_seed_takes_torchs_range_and_int_conversion():
+    # torch.manual_seed: int(seed) in [-2**63, 2**64 - 1], negatives modulo 2**64 (its -1 seeds
+    # with 2**64 - 1); test_torch.py checks the numbers against PyTorch's own.
+    def draws(seed):
+        attn.manual_seed(seed)
+        return attn.randn([6])
+
+    np.testing.assert_array_equal(draws(-1), draws(2**64 - 1))
+    np.testing.assert_array_equal(draws(-2**63), draws(2**63))
+    np.testing.assert_array_equal(draws(7.9), draws(7))
+    np.testing.assert_array_equal(draws(np.int64(7)), draws(7))
+    assert not np.array_equal(draws(-1), draws(1))
+    for bad in (2**64, -2**63 - 1):
+        with pytest.raises(ValueError, match=r"^manual_seed: seed must be in \[-2\*\*63, 2\*\*64 - 1\] .*, got "):
+            attn.manual_seed(bad)
+    with pytest.raises(TypeError):
+        attn.manual_seed(None)
+
+
 def test_module_argument_errors():
     with pytest.raises(ValueError, match="embed_dim must be divisible by num_heads"):
         attn.MultiheadAttention(8, 3)

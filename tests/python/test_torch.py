@@ -150,6 +150,15 @@ def test_chapter_modules_match_torch(name, seed):
         np.testing.assert_allclose(am(x), tm(x).numpy(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", [-1, -2**63, 2**64 - 1, 12345])
+def test_manual_seed_over_torchs_whole_range_gives_torchs_numbers(seed):
+    torch.manual_seed(seed)
+    want = torch.randn(5).numpy(), torch.rand(3).numpy()
+    attn.manual_seed(seed)
+    np.testing.assert_array_equal(attn.randn([5]), want[0])
+    np.testing.assert_array_equal(attn.rand([3]), want[1])
+
+
 def test_linear_and_embedding_match_torch():
     torch.manual_seed(3)
     tl, te = nn.Linear(5, 4), nn.Embedding(10, 3)
