@@ -1,6 +1,6 @@
 // torch.nn.MultiheadAttention: PyTorch's own multi-head attention module, with its constructor,
 // forward signature, parameter names (in_proj_weight, in_proj_bias, out_proj.weight,
-// out_proj.bias) and initialisation, so a state_dict saved from PyTorch loads unchanged and
+// out_proj.bias; q/k/v_proj_weight with kdim or vdim) and initialisation, so a state_dict saved from PyTorch loads unchanged and
 // manual_seed(s) gives the weights torch.manual_seed(s) gives. Like every attn module it only
 // projects and calls scaled_dot_product_attention.
 #pragma once
@@ -15,9 +15,10 @@ namespace attn::nn {
 class MultiheadAttention : public Module {
  public:
   // As torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv,
-  // add_zero_attn, kdim, vdim, batch_first). kdim/vdim 0 mean embed_dim. Not supported (ValueError):
-  // add_bias_kv, add_zero_attn, and kdim/vdim other than embed_dim (torch's separate
-  // q/k/v_proj_weight layout).
+  // add_zero_attn, kdim, vdim, batch_first). kdim/vdim 0 mean embed_dim; where either differs
+  // from embed_dim the projections are torch's separate q_proj_weight (E, E), k_proj_weight
+  // (E, kdim) and v_proj_weight (E, vdim), drawn in that order, and in_proj_weight is undefined.
+  // Not supported (ValueError): add_bias_kv, add_zero_attn.
   MultiheadAttention(int64_t embed_dim, int64_t num_heads, float dropout = 0.0f, bool bias = true,
                      bool add_bias_kv = false, bool add_zero_attn = false, int64_t kdim = 0,
                      int64_t vdim = 0, bool batch_first = false,
@@ -31,8 +32,8 @@ class MultiheadAttention : public Module {
 
   // torch's forward(query, key, value, key_padding_mask, need_weights, attn_mask,
   // average_attn_weights, is_causal).
-  //   query (L, N, E) / key, value (S, N, E) -- (N, L, E) / (N, S, E) with batch_first -- or
-  //   unbatched (L, E) / (S, E).
+  //   query (L, N, E) / key (S, N, kdim), value (S, N, vdim) -- (N, L, E) / (N, S, kdim or
+  //   vdim) with batch_first -- or unbatched (L, E) / (S, kdim or vdim).
   //   key_padding_mask (N, S) or (S) unbatched: torch's convention, nonzero = the key is IGNORED
   //   when `*_mask_is_bool`, else a float mask added to the scores. Same for attn_mask, (L, S) or
   //   (N * num_heads, L, S). (Torch tells the two kinds apart by dtype; attn tensors are float, so
@@ -51,10 +52,12 @@ class MultiheadAttention : public Module {
 
   NamedTensors named_parameters() override;
 
-  int64_t embed_dim, num_heads, head_dim;
+  int64_t embed_dim, num_heads, head_dim, kdim, vdim;
   float dropout;
   bool batch_first;
-  Tensor in_proj_weight;  // (3 * embed_dim, embed_dim): W_q, W_k, W_v stacked
+  Tensor in_proj_weight;  // (3 * embed_dim, embed_dim): W_q, W_k, W_v stacked; undefined when
+                          // kdim or vdim differs from embed_dim, which uses the three below
+  Tensor q_proj_weight, k_proj_weight, v_proj_weight;  // (E, E), (E, kdim), (E, vdim) or undefined
   Tensor in_proj_bias;    // (3 * embed_dim) or undefined (bias = false)
   Linear out_proj;
 };

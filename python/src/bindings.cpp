@@ -505,8 +505,9 @@ a temporary file in the same directory, then renamed.)");
   };
   nb::class_<nn::MultiheadAttention, nn::Module>(m, "MultiheadAttention",
       R"(torch.nn.MultiheadAttention: same constructor, forward, parameter names
-(in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias) and seeded initialisation.
-add_bias_kv, add_zero_attn and kdim/vdim != embed_dim are not supported (ValueError).)")
+(in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias; q_proj_weight, k_proj_weight,
+v_proj_weight instead of in_proj_weight where kdim or vdim differs from embed_dim) and seeded
+initialisation. add_bias_kv and add_zero_attn are not supported (ValueError).)")
       .def("__init__", [](nn::MultiheadAttention* self, int64_t embed_dim, int64_t num_heads,
                           float dropout, bool bias, bool add_bias_kv, bool add_zero_attn,
                           std::optional<int64_t> kdim, std::optional<int64_t> vdim, bool batch_first) {

@@ -1,6 +1,6 @@
 // torch.nn.MultiheadAttention on top of scaled_dot_product_attention: project with the slices of
-// in_proj_weight, split heads (views), merge torch's two masks into one additive mask, attend,
-// merge heads, out_proj.
+// in_proj_weight (or torch's separate q/k/v_proj_weight when kdim or vdim differs), split heads
+// (views), merge torch's two masks into one additive mask, attend, merge heads, out_proj.
 #include "attn/multihead.hpp"
 
 #include <cmath>
@@ -48,11 +48,11 @@ Tensor to_additive(const TensorView& m, bool is_bool) {
 
 MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, float dropout_,
                                        bool bias, bool add_bias_kv, bool add_zero_attn,
-                                       int64_t kdim, int64_t vdim, bool batch_first_,
+                                       int64_t kdim_, int64_t vdim_, bool batch_first_,
                                        Generator& gen)
     : embed_dim(embed_dim_), num_heads(num_heads_),
-      head_dim(checked_head_dim(embed_dim_, num_heads_)), dropout(dropout_),
-      batch_first(batch_first_),
+      head_dim(checked_head_dim(embed_dim_, num_heads_)), kdim(kdim_ == 0 ? embed_dim_ : kdim_),
+      vdim(vdim_ == 0 ? embed_dim_ : vdim_), dropout(dropout_), batch_first(batch_first_),
       // torch builds out_proj (drawing its default Linear init) before _reset_parameters.
       out_proj(embed_dim_, embed_dim_, bias, gen) {
   if (!(dropout >= 0.0f && dropout <= 1.0f)) {
@@ -61,14 +61,21 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, f
   if (add_bias_kv || add_zero_attn) {
     throw ValueError(fmt::format("{}: add_bias_kv and add_zero_attn are not supported by attn", kName));
   }
-  if ((kdim != 0 && kdim != embed_dim) || (vdim != 0 && vdim != embed_dim)) {
-    throw ValueError(fmt::format("{}: kdim and vdim must equal embed_dim ({}), got kdim = {}, vdim = {} "
-                                 "(separate q/k/v projection weights are not supported)",
-                                 kName, embed_dim, kdim, vdim));
+  if (kdim_ < 0 || vdim_ < 0) {
+    throw ValueError(fmt::format("{}: kdim and vdim must be positive (0 or none: embed_dim), got kdim = {}, "
+                                 "vdim = {}", kName, kdim_, vdim_));
   }
-  // torch's _reset_parameters: xavier_uniform_(in_proj_weight), then zero biases.
-  in_proj_weight = Tensor::empty({3 * embed_dim, embed_dim});
-  xavier_uniform_(in_proj_weight, gen);
+  // torch's _reset_parameters: xavier_uniform_ on in_proj_weight, or on q_, k_ and v_proj_weight
+  // in turn, then zero biases.
+  if (kdim == embed_dim && vdim == embed_dim) {
+    in_proj_weight = Tensor::empty({3 * embed_dim, embed_dim});
+    xavier_uniform_(in_proj_weight, gen);
+  } else {
+    q_proj_weight = Tensor::empty({embed_dim, embed_dim});
+    k_proj_weight = Tensor::empty({embed_dim, kdim});
+    v_proj_weight = Tensor::empty({embed_dim, vdim});
+    for (Tensor* w : {&q_proj_weight, &k_proj_weight, &v_proj_weight}) xavier_uniform_(*w, gen);
+  }
   if (bias) {
     in_proj_bias = Tensor::zeros({3 * embed_dim});
     out_proj.bias = Tensor::zeros({embed_dim});
@@ -76,7 +83,13 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, f
 }
 
 NamedTensors MultiheadAttention::named_parameters() {
-  NamedTensors p{{"in_proj_weight", &in_proj_weight}};
+  // torch's registration order, which its state_dict keeps.
+  NamedTensors p;
+  if (in_proj_weight.defined()) {
+    p.emplace_back("in_proj_weight", &in_proj_weight);
+  } else {
+    p = {{"q_proj_weight", &q_proj_weight}, {"k_proj_weight", &k_proj_weight}, {"v_proj_weight", &v_proj_weight}};
+  }
   if (in_proj_bias.defined()) p.emplace_back("in_proj_bias", &in_proj_bias);
   append_prefixed(p, "out_proj", out_proj.named_parameters());
   return p;
@@ -104,19 +117,21 @@ MultiheadAttention::Result MultiheadAttention::forward(
   };
   const TensorView q = nle(query), k = nle(key), v = nle(value);
   const int64_t N = q.size(0), L = q.size(1), S = k.size(1), E = embed_dim, H = num_heads;
-  const char* layout = !batched ? "(S, E)" : batch_first ? "(N, S, E)" : "(S, N, E)";
+  const char* layout = !batched ? "(S, dim)" : batch_first ? "(N, S, dim)" : "(S, N, dim)";
   if (q.size(2) != E) {
     throw ShapeError(fmt::format("{}: query's last dim must be embed_dim = {}, got shape {}", kName, E,
                                  query.shape().str()));
   }
-  if (k.size(0) != N || k.size(2) != E || !(v.shape() == k.shape())) {
-    throw ShapeError(fmt::format("{}: key and value must both be {} with N = {}, E = {}, got key {} "
-                                 "and value {}", kName, layout, N, E, key.shape().str(),
-                                 value.shape().str()));
+  if (k.size(0) != N || v.size(0) != N || v.size(1) != S || k.size(2) != kdim || v.size(2) != vdim) {
+    throw ShapeError(fmt::format("{}: key and value must be {} with N = {}, one S, dim = kdim = {} for key and "
+                                 "dim = vdim = {} for value, got key {} and value {}", kName, layout, N,
+                                 kdim, vdim, key.shape().str(), value.shape().str()));
   }
 
   auto project = [&](const TensorView& x, int64_t part) {
-    const TensorView w = in_proj_weight.slice(0, part * E, (part + 1) * E);
+    const Tensor* sep[3] = {&q_proj_weight, &k_proj_weight, &v_proj_weight};
+    const TensorView w = in_proj_weight.defined() ? in_proj_weight.slice(0, part * E, (part + 1) * E)
+                                                  : TensorView(*sep[part]);
     const TensorView b = in_proj_bias.defined() ? in_proj_bias.slice(0, part * E, (part + 1) * E)
                                                 : TensorView{};
     return linear(x, w, b);  // (N, T, E), contiguous

@@ -39,10 +39,12 @@ TEST(TorchWeights, ChapterMultiHeadAttentionFromSafetensors) {
 }
 
 TEST(TorchWeights, MultiheadAttentionSeedGivesTorchInit) {
-  for (const auto& [c, seed, E, H, bias] : {std::tuple{"init_seed7", 7, 8, 2, true},
-                                           std::tuple{"init_seed9", 9, 6, 3, false}}) {
+  // The last two: kdim and/or vdim other than embed_dim, torch's separate q/k/v_proj_weight.
+  for (const auto& [c, seed, E, H, bias, kdim, vdim] :
+       {std::tuple{"init_seed7", 7, 8, 2, true, 0, 0}, std::tuple{"init_seed9", 9, 6, 3, false, 0, 0},
+        std::tuple{"init_seed11", 11, 8, 2, true, 5, 3}, std::tuple{"init_seed13", 13, 6, 3, false, 0, 4}}) {
     manual_seed(static_cast<uint64_t>(seed));
-    nn::MultiheadAttention m(E, H, 0.0f, bias);
+    nn::MultiheadAttention m(E, H, 0.0f, bias, false, false, kdim, vdim);
     std::string keys;
     for (auto& [name, t] : m.state_dict()) {
       keys += (keys.empty() ? "" : "\n") + name;
@@ -85,6 +87,31 @@ TEST(TorchWeights, MultiheadAttentionMatchesTorchForEveryOption) {
       EXPECT_FALSE(r.attn_weights.defined());
     }
   }
+}
+
+TEST(TorchWeights, MultiheadAttentionWithKdimAndVdimMatchesTorch) {
+  manual_seed(0);  // other weights than the file's: loading must replace q_, k_ and v_proj_weight
+  nn::MultiheadAttention m(8, 2, 0.0f, true, false, false, /*kdim=*/5, /*vdim=*/3, /*batch_first=*/true);
+  EXPECT_FALSE(m.in_proj_weight.defined());
+  EXPECT_EQ(m.k_proj_weight.shape(), Shape({8, 5}));
+  EXPECT_EQ(m.v_proj_weight.shape(), Shape({8, 3}));
+  nn::load_safetensors(m, fixture_path("torch_mha_kvdim.safetensors"));
+  m.eval();
+  const auto r = m.forward(fx().at("kvdim/query").tensor(), fx().at("kvdim/key").tensor(),
+                           fx().at("kvdim/value").tensor(), fx().at("kvdim/key_padding_mask").tensor());
+  expect_close(r.output, "kvdim/out");
+  expect_close(r.attn_weights, "kvdim/weights");
+  // key and value in each other's width, or of two lengths: named in the message.
+  const Tensor q = Tensor::zeros({2, 4, 8}), k = Tensor::zeros({2, 6, 5}), v = Tensor::zeros({2, 6, 3});
+  try {
+    m.forward(q, v, k);
+    FAIL() << "no exception";
+  } catch (const ShapeError& e) {
+    EXPECT_STREQ(e.what(), "MultiheadAttention: key and value must be (N, S, dim) with N = 2, one S, dim = "
+                           "kdim = 5 for key and dim = vdim = 3 for value, got key [2, 6, 3] and value [2, 6, 5]");
+  }
+  EXPECT_THROW(m.forward(q, k, Tensor::zeros({2, 7, 3})), ShapeError);
+  EXPECT_THROW(nn::MultiheadAttention(8, 2, 0.0f, true, false, false, -1, 3), ValueError);
 }
 
 TEST(TorchWeights, MultiheadAttentionDropoutSequenceFirstMatchesTorch) {

@@ -175,7 +175,8 @@ def test_linear_and_embedding_match_torch():
 
 
 def test_multihead_attention_seed_gives_torch_weights():
-    for seed, kwargs in [(0, {}), (5, {"bias": False, "batch_first": True})]:
+    for seed, kwargs in [(0, {}), (5, {"bias": False, "batch_first": True}),
+                         (6, {"kdim": 7, "vdim": 5}), (8, {"kdim": 12, "vdim": 4, "bias": False})]:
         torch.manual_seed(seed)
         tm = nn.MultiheadAttention(12, 3, **kwargs)
         attn.manual_seed(seed)
@@ -239,6 +240,23 @@ def test_multihead_attention_forward_matches_torch(tmp_path, batch_first):
     a_out, a_w = am(x, x, x, is_causal=True)
     np.testing.assert_allclose(a_out, t_out.numpy(), rtol=0, atol=TOL)
     np.testing.assert_allclose(a_w, t_w.numpy(), rtol=0, atol=TOL)
+
+
+def test_multihead_attention_with_kdim_and_vdim_matches_torch(tmp_path):
+    # Cross-attention from another width: torch's separate q/k/v_proj_weight.
+    tm, am = random_torch_mha(tmp_path, kdim=5, vdim=3, batch_first=True)
+    assert am.state_dict().keys() == tm.state_dict().keys()
+    q, k, v = randn(3, 4, 8, seed=1), randn(3, 6, 5, seed=2), randn(3, 6, 3, seed=3)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[1, 4] = True
+    for kw in [{}, {"key_padding_mask": kpm, "average_attn_weights": False}]:
+        with torch.no_grad():
+            t_out, t_w = tm(q, k, v, **kw)
+        a_out, a_w = am(q, k, v, **kw)
+        np.testing.assert_allclose(a_out, t_out.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
+        np.testing.assert_allclose(a_w, t_w.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
+    with pytest.raises(ValueError, match="kdim = 5 for key and dim = vdim = 3 for value"):
+        am(q, v, k)
 
 
 def test_multihead_attention_dropout_matches_torch(tmp_path):
