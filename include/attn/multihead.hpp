@@ -18,7 +18,9 @@ class MultiheadAttention : public Module {
   // add_zero_attn, kdim, vdim, batch_first). kdim/vdim 0 mean embed_dim; where either differs
   // from embed_dim the projections are torch's separate q_proj_weight (E, E), k_proj_weight
   // (E, kdim) and v_proj_weight (E, vdim), drawn in that order, and in_proj_weight is undefined.
-  // Not supported (ValueError): add_bias_kv, add_zero_attn.
+  // add_bias_kv: learned bias_k, bias_v (1, 1, E) (xavier_normal_, after the weights) appended to
+  // the projected keys and values as one more key; add_zero_attn: then a key and value of zeros.
+  // Each adds a column to the weights, which the masks see as 0 (not masked), as in torch.
   MultiheadAttention(int64_t embed_dim, int64_t num_heads, float dropout = 0.0f, bool bias = true,
                      bool add_bias_kv = false, bool add_zero_attn = false, int64_t kdim = 0,
                      int64_t vdim = 0, bool batch_first = false,
@@ -59,6 +61,8 @@ class MultiheadAttention : public Module {
                           // kdim or vdim differs from embed_dim, which uses the three below
   Tensor q_proj_weight, k_proj_weight, v_proj_weight;  // (E, E), (E, kdim), (E, vdim) or undefined
   Tensor in_proj_bias;    // (3 * embed_dim) or undefined (bias = false)
+  Tensor bias_k, bias_v;  // (1, 1, embed_dim) with add_bias_kv, else undefined
+  bool add_zero_attn;
   Linear out_proj;
 };
 

@@ -506,8 +506,8 @@ a temporary file in the same directory, then renamed.)");
   nb::class_<nn::MultiheadAttention, nn::Module>(m, "MultiheadAttention",
       R"(torch.nn.MultiheadAttention: same constructor, forward, parameter names
 (in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias; q_proj_weight, k_proj_weight,
-v_proj_weight instead of in_proj_weight where kdim or vdim differs from embed_dim) and seeded
-initialisation. add_bias_kv and add_zero_attn are not supported (ValueError).)")
+v_proj_weight instead of in_proj_weight where kdim or vdim differs from embed_dim; bias_k, bias_v
+with add_bias_kv) and seeded initialisation.)")
       .def("__init__", [](nn::MultiheadAttention* self, int64_t embed_dim, int64_t num_heads,
                           float dropout, bool bias, bool add_bias_kv, bool add_zero_attn,
                           std::optional<int64_t> kdim, std::optional<int64_t> vdim, bool batch_first) {

@@ -3,6 +3,7 @@
 // (views), merge torch's two masks into one additive mask, attend, merge heads, out_proj.
 #include "attn/multihead.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 #include <limits>
@@ -47,19 +48,17 @@ Tensor to_additive(const TensorView& m, bool is_bool) {
 }  // namespace
 
 MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, float dropout_,
-                                       bool bias, bool add_bias_kv, bool add_zero_attn,
+                                       bool bias, bool add_bias_kv, bool add_zero_attn_,
                                        int64_t kdim_, int64_t vdim_, bool batch_first_,
                                        Generator& gen)
     : embed_dim(embed_dim_), num_heads(num_heads_),
       head_dim(checked_head_dim(embed_dim_, num_heads_)), kdim(kdim_ == 0 ? embed_dim_ : kdim_),
       vdim(vdim_ == 0 ? embed_dim_ : vdim_), dropout(dropout_), batch_first(batch_first_),
+      add_zero_attn(add_zero_attn_),
       // torch builds out_proj (drawing its default Linear init) before _reset_parameters.
       out_proj(embed_dim_, embed_dim_, bias, gen) {
   if (!(dropout >= 0.0f && dropout <= 1.0f)) {
     throw ValueError(fmt::format("{}: dropout must be in [0, 1], got {}", kName, dropout));
-  }
-  if (add_bias_kv || add_zero_attn) {
-    throw ValueError(fmt::format("{}: add_bias_kv and add_zero_attn are not supported by attn", kName));
   }
   if (kdim_ < 0 || vdim_ < 0) {
     throw ValueError(fmt::format("{}: kdim and vdim must be positive (0 or none: embed_dim), got kdim = {}, "
@@ -80,6 +79,14 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, f
     in_proj_bias = Tensor::zeros({3 * embed_dim});
     out_proj.bias = Tensor::zeros({embed_dim});
   }
+  if (add_bias_kv) {
+    // xavier_normal_ of a (1, 1, E) tensor: fan_in = fan_out = E, std = sqrt(2 / (2E)).
+    const double stddev = std::sqrt(2.0 / static_cast<double>(2 * embed_dim));
+    for (Tensor* b : {&bias_k, &bias_v}) {
+      *b = Tensor::empty({1, 1, embed_dim});
+      normal_(*b, 0.0, stddev, gen);
+    }
+  }
 }
 
 NamedTensors MultiheadAttention::named_parameters() {
@@ -91,6 +98,7 @@ NamedTensors MultiheadAttention::named_parameters() {
     p = {{"q_proj_weight", &q_proj_weight}, {"k_proj_weight", &k_proj_weight}, {"v_proj_weight", &v_proj_weight}};
   }
   if (in_proj_bias.defined()) p.emplace_back("in_proj_bias", &in_proj_bias);
+  if (bias_k.defined()) p.insert(p.end(), {{"bias_k", &bias_k}, {"bias_v", &bias_v}});
   append_prefixed(p, "out_proj", out_proj.named_parameters());
   return p;
 }
@@ -136,7 +144,19 @@ MultiheadAttention::Result MultiheadAttention::forward(
                                                 : TensorView{};
     return linear(x, w, b);  // (N, T, E), contiguous
   };
-  const Tensor qp = project(q, 0), kp = project(k, 1), vp = project(v, 2);
+  const Tensor qp = project(q, 0);
+  // torch's extra keys after the projection: bias_k / bias_v, then a zero key and value.
+  const int64_t extra = (bias_k.defined() ? 1 : 0) + (add_zero_attn ? 1 : 0), S2 = S + extra;
+  auto with_extra_keys = [&](Tensor x, const Tensor& b) {
+    if (extra == 0) return x;
+    Tensor out = Tensor::zeros({N, S2, E});
+    for (int64_t n = 0; n < N; ++n) {
+      std::copy_n(x.data() + n * S * E, S * E, out.data() + n * S2 * E);
+      if (b.defined()) std::copy_n(b.data(), E, out.data() + (n * S2 + S) * E);
+    }
+    return out;
+  };
+  const Tensor kp = with_extra_keys(project(k, 1), bias_k), vp = with_extra_keys(project(v, 2), bias_v);
   // (N, T, E) -> (N, T, H, hd) -> (N, H, T, hd): views.
   auto split = [&](const Tensor& t, int64_t T) { return t.view({N, T, H, head_dim}).transpose(1, 2); };
 
@@ -167,9 +187,10 @@ MultiheadAttention::Result MultiheadAttention::forward(
   SdpaOptions opt;
   opt.dropout_p = training_ ? dropout : 0.0f;
   opt.need_weights = need_weights;
-  if (is_causal && !mask.defined()) {
+  if (is_causal && !mask.defined() && extra == 0) {
     opt.is_causal = true;
   } else if (is_causal) {
+    if (!mask.defined()) mask = Tensor::zeros({1, 1, L, S});
     // SDPA takes is_causal or a mask, not both: fold the causal mask into the additive one
     // (expanded first: a key_padding_mask alone is (N, 1, 1, S)).
     Tensor full = mask.expand({mask.size(0), mask.size(1), L, S}).contiguous();
@@ -182,9 +203,15 @@ MultiheadAttention::Result MultiheadAttention::forward(
     }
     mask = std::move(full);
   }
+  if (mask.defined() && extra > 0) {  // the extra keys' columns: 0, as torch pads its masks
+    Tensor padded = Tensor::zeros({mask.size(0), mask.size(1), mask.size(2), S2});
+    const Tensor m = mask.contiguous();
+    for (int64_t r = 0; r < m.numel() / S; ++r) std::copy_n(m.data() + r * S, S, padded.data() + r * S2);
+    mask = std::move(padded);
+  }
   if (mask.defined()) opt.attn_mask = AttnMask::additive(mask);
 
-  SdpaResult r = scaled_dot_product_attention(split(qp, L), split(kp, S), split(vp, S), opt);
+  SdpaResult r = scaled_dot_product_attention(split(qp, L), split(kp, S2), split(vp, S2), opt);
   // (N, H, L, hd) -> (N, L, H, hd) -> (N, L, E) -> out_proj.
   const Tensor merged = r.output.transpose(1, 2).contiguous();
   Tensor out = out_proj.forward(merged.view({N, L, E}));

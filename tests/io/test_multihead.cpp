@@ -39,12 +39,14 @@ TEST(TorchWeights, ChapterMultiHeadAttentionFromSafetensors) {
 }
 
 TEST(TorchWeights, MultiheadAttentionSeedGivesTorchInit) {
-  // The last two: kdim and/or vdim other than embed_dim, torch's separate q/k/v_proj_weight.
-  for (const auto& [c, seed, E, H, bias, kdim, vdim] :
-       {std::tuple{"init_seed7", 7, 8, 2, true, 0, 0}, std::tuple{"init_seed9", 9, 6, 3, false, 0, 0},
-        std::tuple{"init_seed11", 11, 8, 2, true, 5, 3}, std::tuple{"init_seed13", 13, 6, 3, false, 0, 4}}) {
+  // kdim and/or vdim other than embed_dim: torch's separate q/k/v_proj_weight; then bias_k,
+  // bias_v (add_bias_kv, with add_zero_attn).
+  for (const auto& [c, seed, E, H, bias, kdim, vdim, extra] :
+       {std::tuple{"init_seed7", 7, 8, 2, true, 0, 0, false}, std::tuple{"init_seed9", 9, 6, 3, false, 0, 0, false},
+        std::tuple{"init_seed11", 11, 8, 2, true, 5, 3, false}, std::tuple{"init_seed13", 13, 6, 3, false, 0, 4, false},
+        std::tuple{"init_seed15", 15, 8, 2, true, 0, 0, true}}) {
     manual_seed(static_cast<uint64_t>(seed));
-    nn::MultiheadAttention m(E, H, 0.0f, bias, false, false, kdim, vdim);
+    nn::MultiheadAttention m(E, H, 0.0f, bias, extra, extra, kdim, vdim);
     std::string keys;
     for (auto& [name, t] : m.state_dict()) {
       keys += (keys.empty() ? "" : "\n") + name;
@@ -114,6 +116,24 @@ TEST(TorchWeights, MultiheadAttentionWithKdimAndVdimMatchesTorch) {
   EXPECT_THROW(nn::MultiheadAttention(8, 2, 0.0f, true, false, false, -1, 3), ValueError);
 }
 
+TEST(TorchWeights, MultiheadAttentionWithBiasKvAndZeroAttnMatchesTorch) {
+  manual_seed(0);
+  nn::MultiheadAttention m(8, 2, 0.0f, true, /*add_bias_kv=*/true, /*add_zero_attn=*/true);
+  nn::load_safetensors(m, fixture_path("torch_mha_biaskv.safetensors"));
+  m.eval();
+  for (const std::string n : {"biaskv", "biaskv_masks", "biaskv_causal"}) {
+    SCOPED_TRACE(n);
+    const Tensor q = fx().at(n + "/query").tensor(), k = fx().at(n + "/key").tensor();
+    Tensor kpm, mask;
+    if (n == "biaskv_masks") kpm = fx().at(n + "/key_padding_mask").tensor(), mask = fx().at(n + "/attn_mask").tensor();
+    // "biaskv_causal": torch got the causal mask (padded with 0 for the two extra keys), attn is_causal.
+    const auto r = m.forward(q, k, k, kpm, true, mask, true, /*is_causal=*/n == "biaskv_causal", true,
+                             /*attn_mask_is_bool=*/false);
+    expect_close(r.output, n + "/out");
+    expect_close(r.attn_weights, n + "/weights");  // (N, L, S + 2)
+  }
+}
+
 TEST(TorchWeights, MultiheadAttentionDropoutSequenceFirstMatchesTorch) {
   nn::MultiheadAttention m(8, 2, 0.25f, /*bias=*/false);
   nn::load_safetensors(m, fixture_path("torch_mha_nobias.safetensors"));
@@ -129,7 +149,6 @@ TEST(TorchWeights, MultiheadAttentionDropoutSequenceFirstMatchesTorch) {
 TEST(TorchWeights, MultiheadAttentionRejectsBadArguments) {
   EXPECT_THROW(nn::MultiheadAttention(8, 3), ValueError);
   EXPECT_THROW(nn::MultiheadAttention(8, 2, 1.5f), ValueError);
-  EXPECT_THROW(nn::MultiheadAttention(8, 2, 0.0f, true, /*add_bias_kv=*/true), ValueError);
   nn::MultiheadAttention m(8, 2);
   const Tensor x = Tensor::zeros({5, 2, 8});
   try {

@@ -176,7 +176,8 @@ def test_linear_and_embedding_match_torch():
 
 def test_multihead_attention_seed_gives_torch_weights():
     for seed, kwargs in [(0, {}), (5, {"bias": False, "batch_first": True}),
-                         (6, {"kdim": 7, "vdim": 5}), (8, {"kdim": 12, "vdim": 4, "bias": False})]:
+                         (6, {"kdim": 7, "vdim": 5}), (8, {"kdim": 12, "vdim": 4, "bias": False}),
+                         (9, {"add_bias_kv": True}), (10, {"add_bias_kv": True, "add_zero_attn": True, "kdim": 5})]:
         torch.manual_seed(seed)
         tm = nn.MultiheadAttention(12, 3, **kwargs)
         attn.manual_seed(seed)
@@ -257,6 +258,26 @@ def test_multihead_attention_with_kdim_and_vdim_matches_torch(tmp_path):
         np.testing.assert_allclose(a_w, t_w.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
     with pytest.raises(ValueError, match="kdim = 5 for key and dim = vdim = 3 for value"):
         am(q, v, k)
+
+
+@pytest.mark.parametrize("extras", [{"add_bias_kv": True}, {"add_zero_attn": True},
+                                    {"add_bias_kv": True, "add_zero_attn": True, "batch_first": True}])
+def test_multihead_attention_with_extra_keys_matches_torch(tmp_path, extras):
+    # add_bias_kv / add_zero_attn: one or two keys more, which torch's masks do not cover.
+    tm, am = random_torch_mha(tmp_path, **extras)
+    assert am.state_dict().keys() == tm.state_dict().keys()
+    N, L, S = 2, 3, 5
+    lay = (lambda n, t: (n, t, 8)) if extras.get("batch_first") else (lambda n, t: (t, n, 8))
+    q, kv = randn(*lay(N, L), seed=1), randn(*lay(N, S), seed=2)
+    kpm = torch.zeros(N, S, dtype=torch.bool)
+    kpm[1, :] = True  # every real key of one sequence padded: the extra keys remain
+    for kw in [{}, {"key_padding_mask": kpm, "attn_mask": randn(N * 2, L, S, seed=3)},
+               {"average_attn_weights": False}]:
+        with torch.no_grad():
+            t_out, t_w = tm(q, kv, kv, **kw)
+        a_out, a_w = am(q, kv, kv, **kw)
+        np.testing.assert_allclose(a_out, t_out.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
+        np.testing.assert_allclose(a_w, t_w.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
 
 
 def test_multihead_attention_dropout_matches_torch(tmp_path):
