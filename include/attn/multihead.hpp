@@ -1,7 +1,8 @@
 // torch.nn.MultiheadAttention: PyTorch's own multi-head attention module, with its constructor,
 // forward signature, parameter names (in_proj_weight, in_proj_bias, out_proj.weight,
-// out_proj.bias; q/k/v_proj_weight with kdim or vdim) and initialisation, so a state_dict saved from PyTorch loads unchanged and
-// manual_seed(s) gives the weights torch.manual_seed(s) gives. Like every attn module it only
+// out_proj.bias; q/k/v_proj_weight with kdim or vdim; bias_k, bias_v) and initialisation, so a
+// state_dict saved from PyTorch loads unchanged and manual_seed(s) gives the weights
+// torch.manual_seed(s) gives. Like every attn module it only
 // projects and calls scaled_dot_product_attention.
 #pragma once
 

@@ -206,7 +206,8 @@ MultiheadAttention::Result MultiheadAttention::forward(
   if (mask.defined() && extra > 0) {  // the extra keys' columns: 0, as torch pads its masks
     Tensor padded = Tensor::zeros({mask.size(0), mask.size(1), mask.size(2), S2});
     const Tensor m = mask.contiguous();
-    for (int64_t r = 0; r < m.numel() / S; ++r) std::copy_n(m.data() + r * S, S, padded.data() + r * S2);
+    // S = 0 (no real key: add_zero_attn's key alone) leaves nothing to copy.
+    for (int64_t r = 0; S > 0 && r < m.numel() / S; ++r) std::copy_n(m.data() + r * S, S, padded.data() + r * S2);
     mask = std::move(padded);
   }
   if (mask.defined()) opt.attn_mask = AttnMask::additive(mask);

@@ -132,6 +132,11 @@ TEST(TorchWeights, MultiheadAttentionWithBiasKvAndZeroAttnMatchesTorch) {
     expect_close(r.output, n + "/out");
     expect_close(r.attn_weights, n + "/weights");  // (N, L, S + 2)
   }
+  // No real key: the two extra keys alone, through masks with no column (torch takes it too).
+  const Tensor q = fx().at("biaskv/query").tensor(), none = Tensor::zeros({0, 2, 8});
+  const auto r = m.forward(q, none, none, Tensor::zeros({2, 0}), true, Tensor::zeros({4, 0}), true, true);
+  EXPECT_EQ(r.attn_weights.shape(), Shape({2, 4, 2}));
+  EXPECT_EQ(r.output.shape(), q.shape());
 }
 
 TEST(TorchWeights, MultiheadAttentionDropoutSequenceFirstMatchesTorch) {

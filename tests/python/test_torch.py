@@ -6,6 +6,7 @@ Needs torch (CI: Debian's python3-torch 1.13, which predates F.scaled_dot_produc
 there the comparison uses PyTorch's documented reference implementation of it, written in torch
 ops below). Skipped with the reason when torch is missing."""
 import math
+import random
 
 import numpy as np
 import pytest
@@ -278,6 +279,59 @@ def test_multihead_attention_with_extra_keys_matches_torch(tmp_path, extras):
         a_out, a_w = am(q, kv, kv, **kw)
         np.testing.assert_allclose(a_out, t_out.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
         np.testing.assert_allclose(a_w, t_w.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
+    # No real key at all: the extra keys alone (masks with no column, as torch takes them).
+    none = randn(*lay(N, 0), seed=4)
+    for kw in [{}, {"key_padding_mask": torch.zeros(N, 0, dtype=torch.bool), "attn_mask": torch.zeros(L, 0)}]:
+        with torch.no_grad():
+            t_out, t_w = tm(q, none, none, **kw)
+        a_out, a_w = am(q, none, none, **kw)
+        np.testing.assert_allclose(a_out, t_out.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
+        np.testing.assert_allclose(a_w, t_w.numpy(), rtol=0, atol=TOL, err_msg=str(kw))
+
+
+def test_multihead_attention_random_configurations_match_torch(tmp_path):
+    # Every constructor option at once, at random, with torch's parameters (all redrawn) loaded
+    # into attn: kdim, vdim, extra keys (no real key then allowed), layouts, both masks.
+    rng = random.Random(0)
+    for it in range(120):
+        H = rng.choice([1, 2, 4])
+        E = H * rng.choice([1, 2, 3])
+        kw = dict(bias=rng.random() < 0.7, add_bias_kv=rng.random() < 0.5,
+                  add_zero_attn=rng.random() < 0.5, batch_first=rng.random() < 0.5)
+        if rng.random() < 0.5:
+            kw["kdim"] = rng.choice([1, 3, E])
+        if rng.random() < 0.5:
+            kw["vdim"] = rng.choice([2, 5, E])
+        torch.manual_seed(it)
+        tm = nn.MultiheadAttention(E, H, **kw).eval()
+        with torch.no_grad():
+            for p in tm.parameters():
+                p.normal_()
+        path = str(tmp_path / f"mha{it}.safetensors")
+        py_save_file(tm.state_dict(), path)
+        am = attn.MultiheadAttention(E, H, **kw).eval()
+        am.load_safetensors(path)
+        N, L = rng.choice([1, 2, 3]), rng.choice([1, 2, 5])
+        S = rng.choice([1, 3, 6] + ([0] if kw["add_bias_kv"] or kw["add_zero_attn"] else []))
+        unbatched = rng.random() < 0.2
+
+        def shape(T, d):
+            return (T, d) if unbatched else ((N, T, d) if kw["batch_first"] else (T, N, d))
+
+        q, k, v = (torch.randn(*shape(T, d)) for T, d in ((L, E), (S, kw.get("kdim", E)), (S, kw.get("vdim", E))))
+        fkw = {"average_attn_weights": rng.random() < 0.5}
+        if rng.random() < 0.4 and S > 0:
+            fkw["key_padding_mask"] = torch.rand(*(() if unbatched else (N,)), S) < 0.3
+        if rng.random() < 0.4:
+            fkw["attn_mask"] = torch.randn(L, S) if rng.random() < 0.5 else torch.randn(H if unbatched else N * H, L, S)
+        with torch.no_grad():
+            t_out, t_w = tm(q, k, v, **fkw)
+        a_out, a_w = am(q, k, v, **fkw)
+        assert a_out.shape == t_out.shape and a_w.shape == t_w.shape, (it, kw)
+        seen = torch.isfinite(t_out).numpy()  # torch: NaN for a row whose every key is padded
+        np.testing.assert_allclose(a_out[seen], t_out.numpy()[seen], rtol=0, atol=1e-4, err_msg=f"{it} {kw}")
+        seen = torch.isfinite(t_w).numpy()
+        np.testing.assert_allclose(a_w[seen], t_w.numpy()[seen], rtol=0, atol=1e-5, err_msg=f"{it} {kw}")
 
 
 def test_multihead_attention_dropout_matches_torch(tmp_path):
