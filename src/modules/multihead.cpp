@@ -3,10 +3,10 @@
 // (views), merge torch's two masks into one additive mask, attend, merge heads, out_proj.
 #include "attn/multihead.hpp"
 
-#include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 #include <limits>
+#include <vector>
 
 #include "attn/error.hpp"
 
@@ -147,14 +147,13 @@ MultiheadAttention::Result MultiheadAttention::forward(
   const Tensor qp = project(q, 0);
   // torch's extra keys after the projection: bias_k / bias_v, then a zero key and value.
   const int64_t extra = (bias_k.defined() ? 1 : 0) + (add_zero_attn ? 1 : 0), S2 = S + extra;
+  const Tensor zero_key = Tensor::zeros({N, 1, E});
   auto with_extra_keys = [&](Tensor x, const Tensor& b) {
     if (extra == 0) return x;
-    Tensor out = Tensor::zeros({N, S2, E});
-    for (int64_t n = 0; n < N; ++n) {
-      std::copy_n(x.data() + n * S * E, S * E, out.data() + n * S2 * E);
-      if (b.defined()) std::copy_n(b.data(), E, out.data() + (n * S2 + S) * E);
-    }
-    return out;
+    std::vector<TensorView> parts{x};
+    if (b.defined()) parts.push_back(b.expand({N, 1, E}));
+    if (add_zero_attn) parts.push_back(zero_key);
+    return cat(parts, 1);
   };
   const Tensor kp = with_extra_keys(project(k, 1), bias_k), vp = with_extra_keys(project(v, 2), bias_v);
   // (N, T, E) -> (N, T, H, hd) -> (N, H, T, hd): views.
@@ -204,11 +203,8 @@ MultiheadAttention::Result MultiheadAttention::forward(
     mask = std::move(full);
   }
   if (mask.defined() && extra > 0) {  // the extra keys' columns: 0, as torch pads its masks
-    Tensor padded = Tensor::zeros({mask.size(0), mask.size(1), mask.size(2), S2});
-    const Tensor m = mask.contiguous();
-    // S = 0 (no real key: add_zero_attn's key alone) leaves nothing to copy.
-    for (int64_t r = 0; S > 0 && r < m.numel() / S; ++r) std::copy_n(m.data() + r * S, S, padded.data() + r * S2);
-    mask = std::move(padded);
+    const Tensor pad = Tensor::zeros({mask.size(0), mask.size(1), mask.size(2), extra});
+    mask = cat(std::vector<TensorView>{mask, pad}, 3);
   }
   if (mask.defined()) opt.attn_mask = AttnMask::additive(mask);
 
