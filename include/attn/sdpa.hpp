@@ -126,6 +126,14 @@ struct SdpaOptions {
   // computed from the more exact P, may differ from the call without in the last bit) and the
   // backward less (docs/NUMERICS.md).
   bool need_output_residual = false;
+  // Backward only (the forward ignores it): also return SdpaGrads::grad_attn_mask, the gradient
+  // of an additive attn_mask (a learned bias: T5's relative positions, Swin's), as PyTorch's
+  // autograd gives a float mask that requires grad. ValueError without an additive mask. It is
+  // dS = P * (dP - rowsum(dO * O)), the gradient of the final scores, summed over the dims the
+  // mask broadcasts along (in a fixed order: deterministic). Memory: one (..., L, S) float32
+  // buffer (float64 for float64 inputs) on top of the fused kernels' O(L) state: the L x S
+  // storage PyTorch's math path, which it runs for such a mask, holds several of.
+  bool need_attn_mask_grad = false;
   // bf16/fp16 calls: let the kernels round intermediates to the 16-bit type, as FlashAttention's
   // kernels and PyTorch's CPU flash kernel do (PyTorch's switch for its math path is
   // torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp). The backward of
@@ -238,7 +246,9 @@ struct SdpaSaved {
 //   dV = P_d^T dO,  dP_d = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale dS K,
 //   dK = scale dS^T Q
 // where P_d is P after dropout. With enable_gqa, dK and dV of a key/value head sum the gradients
-// of every query head reading it. Masks get no gradient.
+// of every query head reading it. An additive attn_mask gets dS itself, summed to its shape,
+// with options.need_attn_mask_grad (it is added to the final scores, after softcap's tanh, so
+// the chain through tanh is not in it); else no mask gets a gradient.
 //
 // Dropout: kPhilox masks are replayed from (dropout_seed, dropout_offset), exactly. A kTorch mask
 // cannot be drawn again (the generator has moved on), so the backward needs the forward's
@@ -254,6 +264,9 @@ struct SdpaGrads {
   Tensor grad_key;    // key's shape (H_kv heads with GQA)
   Tensor grad_value;  // value's shape
   Tensor grad_sinks;  // (H) when options.sinks (float32; float64 for float64 inputs), else undefined
+  // With options.need_attn_mask_grad: the attn_mask's own shape and dtype (summed over the dims
+  // it broadcasts along, as torch's autograd sums them), else undefined.
+  Tensor grad_attn_mask;
 };
 
 SdpaGrads scaled_dot_product_attention_backward(const TensorView& grad_output,
@@ -312,6 +325,7 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& query, const Te
 struct SdpaGradsF64 {
   std::vector<double> grad_query, grad_key, grad_value;
   std::vector<double> grad_sinks;  // (H) when options.sinks, else empty
+  std::vector<double> grad_attn_mask;  // the mask's shape with options.need_attn_mask_grad, else empty
 };
 SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& grad_output,
                                                        const TensorView& query,

@@ -174,16 +174,18 @@ def _sdpa_backward_impl(grad_output: Tensor, query: Tensor, key: Tensor, value: 
                       enable_gqa: bool, window_left: int, window_right: int,
                       softcap: Optional[float], alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], rng: Tensor, kernel: str,
-                      reduction: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                      reduction: bool,
+                      need_mask_grad: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     args = (grad_output, query, key, value, output, lse,
             residual if residual.numel() > 0 else None, attn_mask,
             _options(dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left,
-                     window_right, softcap, alibi_slopes, sinks, rng, kernel, reduction))
+                     window_right, softcap, alibi_slopes, sinks, rng, kernel, reduction),
+            need_mask_grad)
     with _named("attn.sdpa_backward"):
-        dq, dk, dv, ds = _attn._torch_sdpa_backward(*args)
+        dq, dk, dv, ds, dm = _attn._torch_sdpa_backward(*args)
     _count("sdpa_backward")
     ds = ds.to(sinks.dtype) if ds is not None else query.new_empty(0)
-    return dq, dk, dv, ds
+    return dq, dk, dv, ds, dm if dm is not None else query.new_empty(0)
 
 
 _sdpa_backward_op = torch.library.custom_op("attn::sdpa_backward", mutates_args=(),
@@ -193,8 +195,9 @@ _sdpa_backward_op = torch.library.custom_op("attn::sdpa_backward", mutates_args=
 @_sdpa_backward_op.register_fake
 def _sdpa_backward_fake(grad_output, query, key, value, output, lse, residual, attn_mask, dropout_p,
                         is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
-                        softcap, alibi_slopes, sinks, rng, kernel, reduction):
-    return _grad_fakes(query, key, value, sinks)
+                        softcap, alibi_slopes, sinks, rng, kernel, reduction, need_mask_grad=False):
+    dm = attn_mask.new_empty(attn_mask.shape) if need_mask_grad else query.new_empty(0)
+    return (*_grad_fakes(query, key, value, sinks), dm)
 
 
 def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -218,12 +221,15 @@ def _sdpa_grads(ctx, grad_out, backward):
     query, key, value, out, lse, res, attn_mask, alibi_slopes, sinks, rng = ctx.saved_tensors
     (dropout_p, is_causal, bottom_right, scale, enable_gqa, window_left, window_right,
      softcap) = ctx.options
-    dq, dk, dv, ds = backward(grad_out, query, key, value, out, lse, res, attn_mask, dropout_p,
-                              is_causal, bottom_right, scale, enable_gqa, window_left,
-                              window_right, softcap, alibi_slopes, sinks, rng, ctx.kernel,
-                              ctx.reduction)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
-            ds if sinks is not None else None, None, None, None, None, None)
+    # An additive mask that requires grad gets one, as from torch's math path (a learned bias).
+    need_mask_grad = (attn_mask is not None and attn_mask.dtype.is_floating_point
+                      and ctx.needs_input_grad[3])
+    dq, dk, dv, ds, dm = backward(grad_out, query, key, value, out, lse, res, attn_mask,
+                                  dropout_p, is_causal, bottom_right, scale, enable_gqa,
+                                  window_left, window_right, softcap, alibi_slopes, sinks, rng,
+                                  ctx.kernel, ctx.reduction, need_mask_grad)
+    return (dq, dk, dv, dm if need_mask_grad else None, None, None, None, None, None, None, None,
+            None, None, ds if sinks is not None else None, None, None, None, None, None)
 
 
 def _sdpa_grad(ctx, grad_out, _grad_lse, _grad_w, _grad_res):
@@ -256,9 +262,9 @@ def _call_sdpa(args, need_lse=True):
     in bf16/fp16 also returns the output's float32 residual (attn's need_output_residual),
     which the backward reads instead of re-deriving the float32 output. A call with no
     backward to come computes the LSE only when need_lse (else it is None)."""
-    query, key, value, sinks = args[0], args[1], args[2], args[13]
+    query, key, value, mask, sinks = args[0], args[1], args[2], args[3], args[13]
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (query, key, value, sinks))
+                                           for t in (query, key, value, mask, sinks))
     args = (*args, grad and query.dtype in _SIXTEEN_BIT)
     if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in (query, key, value)):
         return _sdpa_op(*args)
@@ -390,9 +396,6 @@ def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]], mask: Optional
             raise TypeError(f"attn_mask: expected a CPU tensor, got a tensor on {mask.device}")
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             raise TypeError(f"attn_mask: expected a bool or floating-point tensor, got {mask.dtype}")
-        if mask.requires_grad:
-            raise RuntimeError("attn_mask: attn computes no gradient for the mask, and this one "
-                               "requires grad; pass attn_mask.detach()")
 
 
 def _head_params(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]):
@@ -441,7 +444,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     none, CPU tensors of one dtype: float32, bfloat16, float16 (computed in float32, rounded
     once) or float64 (float64 throughout). attn_mask: bool (True = takes part) or floating
     (added), broadcastable to (..., L, S). Returns the output (..., L, Ev) in the inputs' dtype,
-    differentiable in query, key, value and sinks.
+    differentiable in query, key, value, sinks and a floating attn_mask (a learned bias: its
+    gradient has the mask's shape and dtype, as from torch's math path).
 
     attn's extras (keyword-only), as in :func:`attn.scaled_dot_product_attention`: window_size
     (left, right), softcap, alibi_slopes (H) or (B, H), sinks (H) (differentiable),
@@ -592,7 +596,7 @@ class patch:
     ``attn.torch.patch()`` / ``patch(True)`` turns it on at once, ``patch(False)`` off; used as a
     context manager (``with attn.torch.patch():``) it restores the previous state on exit.
     Calls attn cannot take (GPU or nested tensors, integer dtypes, more than 4 dims, empty
-    tensors, a mask that requires grad, ...) go to PyTorch's own, with one RuntimeWarning per
+    tensors, ...) go to PyTorch's own, with one RuntimeWarning per
     reason. Code that bound the function before patching (``from torch.nn.functional import
     scaled_dot_product_attention``) keeps PyTorch's. The patch is process-wide (it sets a
     module attribute), not per thread. Under torch.compile a call attn refuses only at run time

@@ -188,14 +188,15 @@ nb::tuple sdpa_forward(nb::handle query, nb::handle key, nb::handle value, nb::h
                         maybe_torch(std::move(r.attn_weights)), maybe_torch(std::move(r.output_residual)));
 }
 
-// (grad_query, grad_key, grad_value, grad_sinks or None)
+// (grad_query, grad_key, grad_value, grad_sinks or None, grad_attn_mask or None)
 nb::tuple sdpa_backward(nb::handle grad_output, nb::handle query, nb::handle key, nb::handle value,
                         nb::handle output, nb::handle lse, nb::handle residual,
-                        nb::handle attn_mask, const nb::tuple& options) {
+                        nb::handle attn_mask, const nb::tuple& options, bool need_mask_grad) {
   const Qkv in = qkv(query, key, value);
   const Input dout = torch_input(grad_output, "grad_output");
   OptionInputs keep;
-  const SdpaOptions opt = make_options(keep, attn_mask, options);
+  SdpaOptions opt = make_options(keep, attn_mask, options);
+  opt.need_attn_mask_grad = need_mask_grad;
   const Input saved_out = torch_input(output, "output"), saved_lse = torch_input(lse, "lse");
   std::optional<Input> saved_res;
   if (!residual.is_none()) saved_res = torch_input(residual, "output_residual");
@@ -207,7 +208,8 @@ nb::tuple sdpa_backward(nb::handle grad_output, nb::handle query, nb::handle key
         SdpaSaved(saved_out.view, saved_lse.view, {}, saved_res ? saved_res->view : TensorView()), opt);
   }
   return nb::make_tuple(to_torch(std::move(g.grad_query)), to_torch(std::move(g.grad_key)),
-                        to_torch(std::move(g.grad_value)), maybe_torch(std::move(g.grad_sinks)));
+                        to_torch(std::move(g.grad_value)), maybe_torch(std::move(g.grad_sinks)),
+                        maybe_torch(std::move(g.grad_attn_mask)));
 }
 
 // (output, lse)
@@ -317,7 +319,9 @@ void bind_torch_ops(nb::module_& m) {
         "How many calls _torch_sdpa_plain ran (and set the count to 0 when reset).");
   m.def("_torch_sdpa_backward", &sdpa_backward, "grad_output"_a, "query"_a, "key"_a, "value"_a,
         "output"_a, "lse"_a, "residual"_a.none(), "attn_mask"_a.none(), "options"_a,
-        "attn.torch's backward: (grad_query, grad_key, grad_value, grad_sinks or None).");
+        "need_mask_grad"_a = false,
+        "attn.torch's backward: (grad_query, grad_key, grad_value, grad_sinks or None, grad_attn_mask "
+        "or None).");
   m.def("_torch_varlen_forward", &varlen_forward, "query"_a, "key"_a, "value"_a, "cu_seq_q"_a,
         "cu_seq_k"_a, "max_q"_a, "max_k"_a, "options"_a,
         "attn.torch's varlen forward: (output, lse) as torch tensors.");

@@ -299,6 +299,14 @@ void require_shape(const TensorView& t, const Shape& want, const char* name, con
 }
 }  // namespace
 
+void check_attn_mask_grad(const SdpaOptions& options, const SdpaProblem& p, const char* who) {
+  if (options.need_attn_mask_grad && (!options.attn_mask || p.mask_is_bool)) {
+    throw ValueError(fmt::format(
+        "{}: need_attn_mask_grad needs an additive attn_mask, got {} (a boolean mask selects keys "
+        "and has no gradient)", who, options.attn_mask ? "a boolean one" : "none"));
+  }
+}
+
 void check_sdpa_backward(const TensorView& grad_output, const SdpaSaved& forward,
                          const SdpaOptions& options, const SdpaProblem& p) {
   Shape out = p.lead, lse = p.lead, weights = p.lead;
@@ -336,6 +344,7 @@ void check_sdpa_backward(const TensorView& grad_output, const SdpaSaved& forward
                                  "(the forward's), got {}", dtype_name(lse_dtype),
                                  dtype_name(forward.lse.dtype())));
   }
+  check_attn_mask_grad(options, p, "scaled_dot_product_attention_backward");
   if (p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kTorch) {
     require_shape(forward.attn_weights, weights, "forward.attn_weights",
                   " (dropout with DropoutRng::kTorch cannot be drawn again: run the forward with "

@@ -114,6 +114,10 @@ SdpaProblem check_sdpa(const TensorView& q, const TensorView& k, const TensorVie
 void check_sdpa_backward(const TensorView& grad_output, const SdpaSaved& forward,
                          const SdpaOptions& options, const SdpaProblem& p);
 
+// ValueError naming `who` when options.need_attn_mask_grad has no additive attn_mask to give a
+// gradient to (none, or a boolean one). Part of check_sdpa_backward.
+void check_attn_mask_grad(const SdpaOptions& options, const SdpaProblem& p, const char* who);
+
 // Offset of batch element `b` (row-major over `lead`) in a view whose leading dims match `lead`.
 int64_t lead_offset(const TensorView& t, const Shape& lead, int64_t b);
 

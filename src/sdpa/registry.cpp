@@ -19,6 +19,7 @@
 #include "sdpa/cpu/flash_inputs.hpp"
 #include "sdpa/cpu/flash_isa.hpp"
 #include "sdpa/cpu/unit_rates.hpp"
+#include "sdpa/mask_grad.hpp"
 
 namespace attn::detail {
 namespace {
@@ -158,7 +159,8 @@ SdpaGrads reference_backward(const TensorView& dout, const TensorView& q, const 
   const reference::SdpaGradsF64 g = reference::scaled_dot_product_attention_backward_f64(dout, q, k, v, options, p);
   return {f64_tensor(q.shape(), g.grad_query), f64_tensor(k.shape(), g.grad_key),
           f64_tensor(v.shape(), g.grad_value),
-          g.grad_sinks.empty() ? Tensor() : f64_tensor({p.heads_q}, g.grad_sinks)};
+          g.grad_sinks.empty() ? Tensor() : f64_tensor({p.heads_q}, g.grad_sinks),
+          options.need_attn_mask_grad ? mask_grad_tensor(g.grad_attn_mask, options.attn_mask->values) : Tensor()};
 }
 
 // The float64 path draws kTorch dropout from a copy of the generator (it is the tests' truth),
@@ -311,8 +313,9 @@ SdpaGrads bf16_backward(const TensorView& dout, const TensorView& q, const Tenso
   const int n = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   const bool pays = (kNamedRunsNative && !options.kernel.empty()) ||
                     cpu::unit_rates().bf16_dot_speedup() >= kBf16BackwardMinSpeedup;
+  // The mask's gradient (need_attn_mask_grad) is the float32 kernels' (flash_bwd_kernel.hpp).
   const bool native = p.dtype == DType::kBFloat16 && p.kv_dtype == DType::kBFloat16 &&
-                      dout.dtype() == DType::kBFloat16 && pays && cpu::all_finite_16(q, n) &&
+                      dout.dtype() == DType::kBFloat16 && pays && !options.need_attn_mask_grad && cpu::all_finite_16(q, n) &&
                       cpu::all_finite_16(k, n) && cpu::all_finite_16(v, n) && cpu::all_finite_16(dout, n);
   if (!native) return fused_backward<cpu::flash_kernel_avx512>(dout, q, k, v, forward, options, p);
   return cpu::flash_backward_bf16(cpu::bf16_backward_avx512(), dout, q, k, v, forward, options, p);

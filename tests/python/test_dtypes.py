@@ -36,7 +36,7 @@ def np_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, dtype=np
         s = np.where(np.tril(np.ones((L, S), bool)), s, dtype(-np.inf))
     if attn_mask is not None:
         m = np.asarray(attn_mask)
-        s = np.where(m, s, dtype(-np.inf)) if m.dtype == bool else s + m.astype(np.float32).astype(dtype)
+        s = np.where(m, s, dtype(-np.inf)) if m.dtype == bool else s + m.astype(dtype)
     w = np.exp(s - s.max(-1, keepdims=True))
     w = w / w.sum(-1, keepdims=True)
     return (w @ v).astype(dtype)

@@ -22,10 +22,12 @@
 #include <cmath>
 #include <memory>
 #include <numbers>
+#include <optional>
 #include <vector>
 
 #include <omp.h>
 
+#include "sdpa/mask_grad.hpp"
 #include "sdpa/registry.hpp"
 #include "sdpa/cpu/flash_bf16.hpp"
 #include "sdpa/cpu/flash_bwd_split.hpp"
@@ -142,11 +144,14 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
   const int cores = in.cores;
   const TensorView &q = in.q, &k = in.k, &v = in.v, &dout = in.dout, &out = in.out, &lse = in.lse;
 
-  SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
+  SdpaGrads g{Tensor::empty(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor(), Tensor()};
 
   FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
   fp.guard_v = !all_finite(q, cores) || !all_finite(k, cores) || !all_finite(v, cores) ||
                !all_finite(dout, cores);
+  // dS of every score for the mask's gradient (mask_grad.hpp): keys a row never sees stay 0.
+  std::optional<detail::MaskGradRows> dmask;
+  if (options.need_attn_mask_grad) dmask.emplace(p, options.attn_mask->values, cores);
   auto fill = [&](int64_t b) {
     FlashBwdHead h{};
     h.q = q.data() + detail::lead_offset(q, p.lead, b);
@@ -160,6 +165,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
     if (p.mask.defined()) h.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b);
     h.dk = g.grad_key.data() + detail::kv_lead_offset(g.grad_key, p, b);
     h.dv = g.grad_value.data() + detail::kv_lead_offset(g.grad_value, p, b);
+    h.dmask = dmask ? dmask->rows() + b * p.L * p.S : nullptr;
     h.bh = b + p.bh_base;
     h.alibi2 = p.alibi_slope(b) * std::numbers::log2e_v<float>;
     return h;
@@ -167,6 +173,7 @@ SdpaGrads flash_backward(const FlashKernel& kernel, const TensorView& dout_in,
   run_backward_items(p, fp, cores, 4 * kernel.backward_workspace_floats(p.L, p.E, p.Ev), g.grad_query.data(), fill,
                      [&](const FlashBwdHead& h, float* ws) { kernel.backward(fp, h, ws); });
   if (p.sinks.defined()) g.grad_sinks = sinks_grad(p, dout, out, lse);
+  if (dmask) g.grad_attn_mask = dmask->finish(cores);
   return g;
 }
 
@@ -266,7 +273,7 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
   }
   run_backward_items(p, fp, cores, kernel.backward_workspace_bytes(p.L, p.E, p.Ev), dq.data(), fill,
                      [&](const FlashBwdHead& h, float* ws) { kernel.backward(fp, h, ws); });
-  return {dq.to(p.dtype), dk.to(p.dtype), dv.to(p.dtype), Tensor()};
+  return {dq.to(p.dtype), dk.to(p.dtype), dv.to(p.dtype), Tensor(), Tensor()};
 }
 
 }  // namespace attn::cpu

@@ -13,10 +13,11 @@
 // Five products per (key, query) pair, counted as FlashAttention does (2.5x the forward).
 // Keys are the outer loop (groups of kKeyGroup blocks), so dK and dV of a group stay in a small
 // accumulator and are written once; dQ is accumulated across the range's key groups in a
-// per-head buffer and written whole (L rows: the range's partial dQ). Nothing L x S is stored:
-// the only O(L) state per head is Q^T and dO^T packed by query block, dQ's accumulator, lse2
-// and D (plus padded row copies of Q and dO when E or Ev is not a multiple of W), rebuilt for
-// each range.
+// per-head buffer and written whole (L rows: the range's partial dQ). Nothing L x S is stored
+// unless the mask's gradient is asked for (h.dmask: each visible dS, before scale and tanh's
+// chain, written once into the head's (L, S) rows, 4 bytes per score): the only O(L) state per
+// head is Q^T and dO^T packed by query block, dQ's accumulator, lse2 and D (plus padded row
+// copies of Q and dO when E or Ev is not a multiple of W), rebuilt for each range.
 //
 // The rank updates (dV, dK, dQ) run in register tiles of kRT rows x CV vectors: per reduction
 // step CV loads of a B row, kRT broadcasts of A and kRT*CV FMAs, like the forward's P @ V.
@@ -250,9 +251,19 @@ inline void backward_head_impl(const FlashBwdParams& p, const FlashBwdHead& h, f
         for (int64_t jj = 0; jj < nk; ++jj) {
           for (int hh = 0; hh < 2; ++hh) {
             const vf pv = load(st + jj * kBQ + hh * W), dp = load(dpt + jj * kBQ + hh * W);
-            vf ds = pv * (dp - (hh == 0 ? d0 : d1)) * scale;
+            vf ds = pv * (dp - (hh == 0 ? d0 : d1));
+            if (h.dmask != nullptr) store(dpt + jj * kBQ + hh * W, pv == 0.0f ? splat(0.0f) : ds);
+            ds *= scale;
             if (p.softcap2 > 0.0f) ds *= load(capg + jj * kBQ + hh * W);
             store(st + jj * kBQ + hh * W, pv == 0.0f ? splat(0.0f) : ds);
+          }
+        }
+        // The mask's gradient is dS of the final scores (before scale and tanh's chain), stored
+        // over dP^T, which is spent: transposed into the head's rows, each element written once.
+        if (h.dmask != nullptr) {
+          for (int64_t q = 0; q < b.nq; ++q) {
+            float* row = h.dmask + (i0 + q) * p.S + j0;
+            for (int64_t jj = 0; jj < nk; ++jj) row[jj] = dpt[jj * kBQ + q];
           }
         }
         // dK_blk (nk x E) += dS^T (nk x nq) @ Q rows (nq x E)

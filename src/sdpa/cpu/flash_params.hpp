@@ -85,6 +85,9 @@ struct FlashBwdHead {
   float* dq;          // (L, E), row stride E, float32
   float* dk;          // (S, E), row stride E, float32
   float* dv;          // (S, Ev), row stride Ev, float32
+  // (L, S), row stride S: receives dS of the head's keys in [j_begin, j_end) where P != 0
+  // (SdpaOptions::need_attn_mask_grad; the rest must be zero beforehand), or nullptr.
+  float* dmask;
   int64_t bh;         // flat batch*head index of the query head (dropout counter)
   float alibi2;       // the query head's ALiBi slope times log2(e) (0: none)
   int64_t j_begin, j_end;  // the key range; j_begin a multiple of the kernel's key group

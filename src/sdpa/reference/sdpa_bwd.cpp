@@ -8,6 +8,7 @@
 //   dP  = dropout'(dO v^T)                     the same keep mask and 1/(1-p) scaling
 //   dS  = P * (dP - rowsum(P * dP))            softmax's backward
 //   dQ  = scale dS k,   dK += scale dS^T q
+//   d(attn_mask) = dS summed to the mask's shape (need_attn_mask_grad; mask_grad.hpp)
 // The products go through CBLAS (matmul); memory is O(L * S) per head, like the forward. GQA:
 // query heads are visited in order and their dK, dV added into their key/value head, so the sum
 // over a group has a fixed order. dS is exactly 0 wherever P is 0 (masked keys, fully masked
@@ -15,10 +16,12 @@
 // never reaches a gradient (docs/NUMERICS.md).
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
+#include "sdpa/mask_grad.hpp"
 #include "sdpa/registry.hpp"
 #include "sdpa/reference/sdpa_row.hpp"
 
@@ -62,7 +65,7 @@ void matmul_acc(const Tensor& a, const TensorView& b, float* c, bool skip_zeros)
 SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const SdpaSaved& forward, const SdpaOptions& options,
                         const detail::SdpaProblem& p) {
-  SdpaGrads g{Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor()};
+  SdpaGrads g{Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()), Tensor(), Tensor()};
   const bool guard = !all_finite(q) || !all_finite(k) || !all_finite(v);
   const bool philox = p.dropout_p > 0.0f && options.dropout_rng == DropoutRng::kPhilox;
   const bool torch_drop = p.dropout_p > 0.0f && !philox;
@@ -77,6 +80,9 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
   std::vector<float> cap_grad(static_cast<size_t>(p.S));
   // d(sinks)_h = -sum over rows of head h of p_sink * delta, p_sink = exp(s_h - lse).
   std::vector<double> dsinks(p.sinks.defined() ? static_cast<size_t>(p.heads_q) : 0, 0.0);
+  // dS of every score, for the mask's gradient (mask_grad.hpp).
+  std::optional<detail::MaskGradRows> dmask;
+  if (options.need_attn_mask_grad) dmask.emplace(p, options.attn_mask->values, 1);
 
   for (int64_t b = 0; b < p.batch; ++b) {
     const TensorView qb = head(q, p, b, false), kb = head(k, p, b, true), vb = head(v, p, b, true);
@@ -129,8 +135,11 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
       if (!dsinks.empty()) {
         dsinks[static_cast<size_t>(b % p.heads_q)] -= std::exp(static_cast<double>(p.sink(b)) - lse) * delta;
       }
+      float* dmrow = dmask ? dmask->rows() + (b * p.L + i) * p.S : nullptr;
       for (int64_t j = 0; j < p.S; ++j) {
-        float ds = prow[j] == 0.0f ? 0.0f : prow[j] * (dprow[j] - static_cast<float>(delta)) * cap_grad[static_cast<size_t>(j)];
+        const float dx = prow[j] == 0.0f ? 0.0f : prow[j] * (dprow[j] - static_cast<float>(delta));
+        if (dmrow != nullptr) dmrow[j] = dx;  // the mask is added to the final score x
+        const float ds = dx * cap_grad[static_cast<size_t>(j)];
         dprow[j] = p.divide ? ds / p.divisor : ds * static_cast<float>(p.scale);
       }
     }
@@ -141,6 +150,7 @@ SdpaGrads sdpa_backward(const TensorView& dout, const TensorView& q, const Tenso
     matmul_acc(dp.t().contiguous(), qb, dk, guard);
     matmul_acc(pd.t().contiguous(), dob, dv, guard);
   }
+  if (dmask) g.grad_attn_mask = dmask->finish(1);
   if (!dsinks.empty()) {
     g.grad_sinks = Tensor::empty({p.heads_q});
     for (int64_t h = 0; h < p.heads_q; ++h) g.grad_sinks.data()[h] = static_cast<float>(dsinks[static_cast<size_t>(h)]);

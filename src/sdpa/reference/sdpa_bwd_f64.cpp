@@ -9,6 +9,7 @@
 #include "attn/error.hpp"
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
+#include "sdpa/mask_grad.hpp"
 #include "sdpa/registry.hpp"
 #include "sdpa/reference/sdpa_row.hpp"
 
@@ -36,6 +37,7 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
                                                        const TensorView& v_in,
                                                        const SdpaOptions& options,
                                                        const detail::SdpaProblem& p) {
+  detail::check_attn_mask_grad(options, p, "scaled_dot_product_attention_backward_f64");
   const Tensor q = q_in.to(DType::kFloat64), k = k_in.to(DType::kFloat64), v = v_in.to(DType::kFloat64);
   Shape out_shape = p.lead;
   out_shape.push_back(p.L);
@@ -68,6 +70,10 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
   std::vector<double> prow(static_cast<size_t>(p.S)), dprow(static_cast<size_t>(p.S));
   std::vector<double> cap_grad(static_cast<size_t>(p.S));
   if (p.sinks.defined()) g.grad_sinks.assign(static_cast<size_t>(p.heads_q), 0.0);
+  Tensor mask_storage;
+  const TensorView mask = detail::mask_f64(options, p, mask_storage);
+  // dS of every score, for the mask's gradient (mask_grad.hpp).
+  std::vector<double> dmask(options.need_attn_mask_grad ? static_cast<size_t>(p.batch * p.L * p.S) : 0, 0.0);
 
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t qo = detail::lead_offset(q, p.lead, b), ko = detail::kv_lead_offset(k, p, b);
@@ -81,13 +87,9 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
         for (int64_t e = 0; e < p.E; ++e) s += at(q, qo, i, e) * at(k, ko, j, e);
         prow[static_cast<size_t>(j)] = s;
       }
-      const float* mrow = nullptr;
-      int64_t mstride = 0;
-      if (p.mask.defined()) {
-        mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(-2);
-        mstride = p.mask.stride(-1);
-      }
-      const double lse = detail::attention_row(prow.data(), p, b, i, mrow, mstride, cap_grad.data());
+      const double* mrow = detail::mask_f64_row(mask, p, b, i);
+      const double lse = detail::attention_row(prow.data(), p, b, i, mrow, mask.defined() ? mask.stride(-1) : 0,
+                                               cap_grad.data());
       if (philox) {
         philox_dropout_keep_row(options.dropout_seed, options.dropout_offset, b + p.bh_base, p.q_pos + i, p.dropout_p, keep, p.k_pos);
       } else if (p.dropout_p > 0.0f) {
@@ -116,7 +118,9 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
       for (int64_t j = 0; j < p.S; ++j) {
         const size_t js = static_cast<size_t>(j);
         if (prow[js] == 0.0) continue;
-        const double ds = prow[js] * (dprow[js] - delta) * cap_grad[js] * sc;
+        const double dx = prow[js] * (dprow[js] - delta);  // the mask is added to the final score x
+        if (!dmask.empty()) dmask[static_cast<size_t>((b * p.L + i) * p.S + j)] = dx;
+        const double ds = dx * cap_grad[js] * sc;
         for (int64_t e = 0; e < p.E; ++e) {
           dq[i * p.E + e] += ds * at(k, ko, j, e);
           dk[j * p.E + e] += ds * at(q, qo, i, e);
@@ -124,6 +128,7 @@ SdpaGradsF64 scaled_dot_product_attention_backward_f64(const TensorView& dout_in
       }
     }
   }
+  if (options.need_attn_mask_grad) g.grad_attn_mask = detail::reduce_mask_grad(dmask.data(), p, options.attn_mask->values);
   return g;
 }
 

@@ -3,8 +3,8 @@
 // GQA reads key/value head h / group in place (kv_lead_offset) instead of repeating K and V;
 // dropout uses the very keep decisions of the float32 path (a copy of the torch generator's
 // state, or the same Philox row function), so the two are comparable with dropout too.
-// Inputs of any floating dtype are read exactly (widened to float64 once); the mask is read as
-// the float32 the kernels see.
+// Inputs of any floating dtype are read exactly (widened to float64 once), the mask too (a
+// float64 mask is not rounded to the float32 the kernels see: gradcheck perturbs it).
 #include "attn/functional.hpp"
 #include "attn/philox.hpp"
 #include "sdpa/registry.hpp"
@@ -51,6 +51,8 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const Ten
     keep = noise.to_vector();
   }
   const int nd = q.dim();
+  Tensor mask_storage;
+  const TensorView mask = detail::mask_f64(options, p, mask_storage);
   for (int64_t b = 0; b < p.batch; ++b) {
     const double* qb = q.data_as<double>() + detail::lead_offset(q, p.lead, b);
     const double* kb = k.data_as<double>() + detail::kv_lead_offset(k, p, b);
@@ -64,13 +66,8 @@ SdpaResultF64 scaled_dot_product_attention_f64(const TensorView& q_in, const Ten
         }
         row[j] = s;
       }
-      const float* mrow = nullptr;
-      int64_t mstride = 0;
-      if (p.mask.defined()) {
-        mrow = p.mask.data() + detail::lead_offset(p.mask, p.lead, b) + i * p.mask.stride(nd - 2);
-        mstride = p.mask.stride(nd - 1);
-      }
-      const double row_lse = detail::attention_row(row, p, b, i, mrow, mstride);
+      const double* mrow = detail::mask_f64_row(mask, p, b, i);
+      const double row_lse = detail::attention_row(row, p, b, i, mrow, mask.defined() ? mask.stride(-1) : 0);
       if (!r.lse.empty()) r.lse[static_cast<size_t>(b * p.L + i)] = row_lse;
       const double inv_keep = p.dropout_p == 1.0f ? 0.0 : 1.0 / (1.0 - static_cast<double>(p.dropout_p));
       if (!keep.empty()) {

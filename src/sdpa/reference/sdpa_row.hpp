@@ -20,8 +20,10 @@ namespace attn::detail {
 // without softcap): the backward's chain through tanh.
 // Returns the row's log-sum-exp, max + log(sum exp(s - max)) (the sink included): -inf when
 // every key is masked and there is no sink, NaN when the row has a NaN score.
-template <typename T>
-T attention_row(T* row, const SdpaProblem& p, int64_t b, int64_t i, const float* mask_row,
+// The mask row is float32 (p.mask, what the kernels read) or float64 (the float64 paths read the
+// caller's mask exactly: mask_f64).
+template <typename T, typename M = float>
+T attention_row(T* row, const SdpaProblem& p, int64_t b, int64_t i, const M* mask_row,
                 int64_t mask_stride, T* cap_grad = nullptr) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   // float32 divides by sqrt(E) rounded to float (PyTorch's `scores / d_k**0.5`); the float64
@@ -45,9 +47,9 @@ T attention_row(T* row, const SdpaProblem& p, int64_t b, int64_t i, const float*
     }
     if (slope != T(0)) s -= slope * static_cast<T>(pos > j ? pos - j : j - pos);
     if (mask_row != nullptr) {
-      const float m = mask_row[j * mask_stride];
+      const M m = mask_row[j * mask_stride];
       if (p.mask_is_bool) {
-        if (m == 0.0f) s = neg_inf;
+        if (m == M(0)) s = neg_inf;
       } else {
         s += static_cast<T>(m);
       }
@@ -68,6 +70,18 @@ T attention_row(T* row, const SdpaProblem& p, int64_t b, int64_t i, const float*
   }
   for (int64_t j = 0; j < p.S; ++j) row[j] /= sum;
   return mx + std::log(sum);
+}
+
+// The float64 paths' mask: options.attn_mask widened exactly (a float64 mask keeps its bits, which
+// p.mask's float32 would round), expanded to lead + (L, S) in `storage`'s view; undefined without
+// a mask. Rows of batch-head b: mask_f64_row.
+inline TensorView mask_f64(const SdpaOptions& options, const SdpaProblem& p, Tensor& storage) {
+  if (!p.mask.defined()) return {};
+  storage = options.attn_mask->values.to(DType::kFloat64);
+  return storage.expand(p.mask.shape());
+}
+inline const double* mask_f64_row(const TensorView& m, const SdpaProblem& p, int64_t b, int64_t i) {
+  return m.defined() ? m.data_as<double>() + lead_offset(m, p.lead, b) + i * m.stride(-2) : nullptr;
 }
 
 }  // namespace attn::detail

@@ -119,6 +119,83 @@ def test_variants_match_the_float64_formulas_with_gradients():
         assert max_err(a, t) < 1e-4 * max(1.0, t.abs().max().item()), name
 
 
+# (mask shape, extras): a learned bias per (batch, head), per head (T5's relative positions),
+# shared, and a key-padding bias; the gradient sums over the broadcast dims as torch's autograd.
+MASK_GRAD_CASES = [((2, 3, 17, 23), {}), ((1, 3, 17, 23), {}), ((17, 23), {}),
+                   ((2, 1, 1, 23), {}), ((3, 17, 23), dict(enable_gqa=True))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,kw", MASK_GRAD_CASES, ids=lambda c: str(c))
+def test_float_mask_gradient_within_twice_torchs_error(shape, kw, dtype):
+    gen = torch.Generator().manual_seed(3)
+    hkv = 1 if kw.get("enable_gqa") else 3
+    q = torch.randn(2, 3, 17, 16, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(2, hkv, 23, 16, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(2, hkv, 23, 16, generator=gen).to(dtype).requires_grad_()
+    bias = torch.randn(shape, generator=gen).to(dtype)
+    bias.view(-1)[::7] = float("-inf")  # hidden keys: gradient 0
+    bias.requires_grad_()
+    g = torch.randn(2, 3, 17, 16, generator=gen).to(dtype)
+    out = at.scaled_dot_product_attention(q, k, v, bias, **kw)
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q, k, v, bias, **kw)
+    truth = reference(q, k, v, bias, **kw)
+    got = torch.autograd.grad(out, (q, k, v, bias), g)
+    want = torch.autograd.grad(ref, (q, k, v, bias), g)
+    true = torch.autograd.grad(truth, (q, k, v, bias), g.double())
+    for name, a, r, t in zip(("q", "k", "v", "attn_mask"), got, want, true):
+        assert a.dtype == dtype and a.shape == r.shape, name
+        scale = max(1.0, t.abs().max().item())
+        assert max_err(a, t) <= 2 * max_err(r, t) + FLOOR[dtype] * scale, name
+    assert torch.all(got[3].reshape(-1)[::7] == 0)  # a -inf bias hides every score it reaches
+
+
+def test_float_mask_gradient_alone_and_in_float64_gradcheck():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    bias = torch.randn(2, 5, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    # Only the mask requires grad: the general path (not the no-grad fast path) takes it.
+    at.reset_call_counts()
+    out = at.scaled_dot_product_attention(q, k, v, bias, softcap=2.0)
+    assert out.requires_grad
+    (gb,) = torch.autograd.grad(out.sum(), (bias,))
+    (want,) = torch.autograd.grad(reference(q, k, v, bias, softcap=2.0).sum(), (bias,))
+    assert max_err(gb, want) < 1e-12 and at.call_counts()["sdpa_backward"] == 1
+    for t in (q, k, v):
+        t.requires_grad_()
+    for kw in (dict(), dict(softcap=2.0), dict(window_size=(2, 1))):
+        assert torch.autograd.gradcheck(
+            lambda a, b, c, m: at.scaled_dot_product_attention(a, b, c, m, **kw), (q, k, v, bias))
+
+
+def test_float_mask_gradient_under_compile_and_the_patch():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 12, 8, generator=gen, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 4, 12, 12, generator=gen, requires_grad=True)
+
+    def f(a, b, c, m):
+        return at.scaled_dot_product_attention(a, b, c, m).sum(-1) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, bias)
+    got = torch.autograd.grad(out.sum(), (q, k, v, bias))
+    want = torch.autograd.grad(f(q, k, v, bias).sum(), (q, k, v, bias))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # A module with a learned bias through F.scaled_dot_product_attention: attn, no fallback.
+    at.reset_call_counts()
+    with at.patch():
+        out = F.scaled_dot_product_attention(q, k, v, bias)
+        got = torch.autograd.grad(out.sum(), (q, k, v, bias))
+    counts = at.call_counts()
+    assert counts["fallback"] == 0 and counts["sdpa_backward"] == 1, counts
+    with sdpa_kernel(SDPBackend.MATH):
+        want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, bias).sum(), (q, k, v, bias))
+    for a, b in zip(got, want):
+        assert max_err(a, b) < 1e-5
+
+
 def test_lse_and_weights_from_the_fast_path():
     q, k, v, mask, kw = make(CASES[3], torch.float32)
     out, lse, w = at.scaled_dot_product_attention(q, k, v, mask, need_lse=True, need_weights=True, **kw)
@@ -163,6 +240,13 @@ def test_opcheck_passes():
     # bf16 with the output residual a backward reads (the fourth output).
     qh, kh, vh = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.attn.sdpa.default, (qh, kh, vh, *args[3:-1], True))
+    # The backward with a float mask's gradient (its fifth output).
+    # (Inputs that do not require grad: the backward op has no backward of its own.)
+    q, k, v, mask = (t.detach() for t in (q, k, v, torch.randn(17, 23)))
+    out, lse, _, res = torch.ops.attn.sdpa.default(q, k, v, mask, *args[4:])
+    bargs = (torch.randn_like(out), q, k, v, out, lse, res, mask, 0.0, False, False, None, False,
+             -1, -1, None, None, None, torch.zeros(2, dtype=torch.int64), "", False, True)
+    torch.library.opcheck(torch.ops.attn.sdpa_backward.default, bargs)
 
 
 def test_contiguous_and_strided_inputs_are_read_in_place():
@@ -291,8 +375,6 @@ def test_bad_input_raises_a_clear_error_naming_the_argument():
         at.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     with pytest.raises(ValueError, match="causal_alignment"):
         at.scaled_dot_product_attention(q, k, v, causal_alignment="middle")
-    with pytest.raises(RuntimeError, match="attn_mask: .*requires grad"):
-        at.scaled_dot_product_attention(q, k, v, torch.zeros(4, 5, requires_grad=True))
     with pytest.raises(ValueError, match="softcap"):
         at.scaled_dot_product_attention(q, k, v, softcap=-1.0)
     # torch's empty tensors have no storage (data_ptr 0): named empty, as NumPy's are, not

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""A learned attention bias (a float attn_mask that requires grad, T5's relative positions,
+Swin's): forward + backward through torch.nn.functional.scaled_dot_product_attention, PyTorch's
+own against attn's (attn.torch.patch()), and attn's with the bias detached (what the mask's
+gradient costs attn).
+
+PyTorch's CPU SDPA runs its math backend for a mask that requires grad (its flash kernel
+computes no mask gradient); attn runs its fused backward with SdpaOptions::need_attn_mask_grad.
+Shapes: B=1, H=12, E=64, a (1, H, T, T) bias, T in --seq; float32 and bfloat16. The three calls
+are interleaved for --reps rounds; each figure is the median of its rounds, and the ratios are
+of medians measured in the same run.
+
+Run it alone on the machine (two cores: anything else running skews every ratio):
+
+    .cache/torch-venv/bin/python scripts/bench_mask_grad.py            # T 512, 1024, 2048
+    .cache/torch-venv/bin/python scripts/bench_mask_grad.py --seq 256 --reps 3
+
+Needs torch >= 2.4 in that venv and attn installed there (pip install .).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attn.torch as at
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def step(q, k, v, bias, g):
+    out = F.scaled_dot_product_attention(q, k, v, bias)
+    want = (q, k, v, bias) if bias.requires_grad else (q, k, v)
+    torch.autograd.grad(out, want, g)
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=64)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; CPU: {cpu_model()}")
+    print("| dtype | T | PyTorch (math) ms | attn ms | attn, bias detached ms | PyTorch / attn | "
+          "attn's mask-gradient overhead |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for T in args.seq:
+            gen = torch.Generator().manual_seed(T)
+            shape = (1, args.heads, T, args.dim)
+            q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+            bias = torch.randn(1, args.heads, T, T, generator=gen).to(dtype).requires_grad_()
+            g = torch.randn(shape, generator=gen).to(dtype)
+            fixed = bias.detach()
+            calls = {
+                "torch": lambda: step(q, k, v, bias, g),
+                "attn": lambda: _patched(q, k, v, bias, g),
+                "detached": lambda: _patched(q, k, v, fixed, g),
+            }
+            for fn in calls.values():  # warm-up (and a check that attn ran without falling back)
+                fn()
+            times = {name: [] for name in calls}
+            for _ in range(args.reps):
+                for name, fn in calls.items():
+                    times[name].append(timed(fn))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            print(f"| {str(dtype).replace('torch.', '')} | {T} | {med['torch']:.1f} | {med['attn']:.1f} | "
+                  f"{med['detached']:.1f} | {med['torch'] / med['attn']:.2f}x | "
+                  f"{med['attn'] / med['detached']:.2f}x |", flush=True)
+
+
+def _patched(q, k, v, bias, g):
+    at.reset_call_counts()
+    with at.patch():
+        step(q, k, v, bias, g)
+    counts = at.call_counts()
+    assert counts["fallback"] == 0 and counts["sdpa_backward"] == 1, counts
+
+
+if __name__ == "__main__":
+    main()
