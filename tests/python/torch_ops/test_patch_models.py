@@ -1,6 +1,7 @@
 """attn.torch.patch(): F.scaled_dot_product_attention routed to attn inside real models built
-here (no download): torch.nn.TransformerEncoder, Hugging Face BERT and GPT-2 from configs with
-random weights (attn_implementation="sdpa"), and the book's GPT (the architecture of attn's tiny
+here (no download): torch.nn.TransformerEncoder, Hugging Face BERT, T5 (its learned position
+bias: a float attn_mask that requires grad) and GPT-2 from configs with random weights
+(attn_implementation="sdpa"), and the book's GPT (the architecture of attn's tiny
 GPT) written in PyTorch. Outputs and gradients equal PyTorch's own within float32 rounding, a
 few training steps give the same losses, and each test asserts attn actually ran (the counts
 of attn.torch.call_counts()). Attention dropout is 0 for the equality."""
@@ -99,6 +100,36 @@ def test_hugging_face_bert_with_padding():
         return (out * attention_mask[..., None]).pow(2).mean()
 
     run_both(model_fn, forward)
+
+
+def test_hugging_face_t5_learns_its_relative_position_bias():
+    # T5 adds a learned relative-position bias (an embedding of the key-query offset) to the
+    # scores: Hugging Face passes it to SDPA as a float attn_mask that requires grad (PyTorch's
+    # CPU SDPA runs its math backend for it). attn's backward returns the mask's gradient, so the
+    # bias embeddings train as with PyTorch's own.
+    transformers = require("transformers")
+    config = transformers.T5Config(vocab_size=91, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                   relative_attention_max_distance=16, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0,
+                                   attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 91, (2, 12), generator=gen)
+    labels = torch.randint(1, 91, (2, 9), generator=gen)
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    attention_mask[1, 8:] = 0
+
+    def model_fn():
+        return sdpa_model(transformers.T5ForConditionalGeneration(config))
+
+    def forward(m):
+        return m(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+
+    run_both(model_fn, forward)
+    m = model_fn()
+    bias = m.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    forward(m).backward()
+    assert bias.grad is not None and bias.grad.abs().max() > 0
 
 
 def test_hugging_face_gpt2_language_model_loss():
