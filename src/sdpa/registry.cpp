@@ -313,9 +313,8 @@ SdpaGrads bf16_backward(const TensorView& dout, const TensorView& q, const Tenso
   const int n = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   const bool pays = (kNamedRunsNative && !options.kernel.empty()) ||
                     cpu::unit_rates().bf16_dot_speedup() >= kBf16BackwardMinSpeedup;
-  // The mask's gradient (need_attn_mask_grad) is the float32 kernels' (flash_bwd_kernel.hpp).
   const bool native = p.dtype == DType::kBFloat16 && p.kv_dtype == DType::kBFloat16 &&
-                      dout.dtype() == DType::kBFloat16 && pays && !options.need_attn_mask_grad && cpu::all_finite_16(q, n) &&
+                      dout.dtype() == DType::kBFloat16 && pays && cpu::all_finite_16(q, n) &&
                       cpu::all_finite_16(k, n) && cpu::all_finite_16(v, n) && cpu::all_finite_16(dout, n);
   if (!native) return fused_backward<cpu::flash_kernel_avx512>(dout, q, k, v, forward, options, p);
   return cpu::flash_backward_bf16(cpu::bf16_backward_avx512(), dout, q, k, v, forward, options, p);

@@ -205,48 +205,72 @@ TEST(MaskGradDeterminism, SameBitsForOneTwoAndThreeThreads) {
       EXPECT_EQ(first, scaled_dot_product_attention_backward(pr.dout, pr.q, pr.k, pr.v, f, o).grad_attn_mask.to_vector())
           << describe(c) << " threads " << n;
     }
+    // bf16 on every kernel that takes it (the native backward where it runs).
+    const Tensor q16 = pr.q.to(DType::kBFloat16), k16 = pr.k.to(DType::kBFloat16), v16 = pr.v.to(DType::kBFloat16);
+    const Tensor d16 = pr.dout.to(DType::kBFloat16);
+    for (const std::string& kernel : test::runnable_kernels_for(DType::kBFloat16)) {
+      SdpaOptions b = pr.options;
+      b.kernel = kernel;
+      if (test::decode_refuses(kernel, q16, k16, v16, b)) continue;
+      const SdpaResult fb = scaled_dot_product_attention(q16, k16, v16, b);
+      b.num_threads = 1;
+      const std::vector<float> one = scaled_dot_product_attention_backward(d16, q16, k16, v16, fb, b).grad_attn_mask.to_vector();
+      b.num_threads = 2;
+      EXPECT_EQ(one, scaled_dot_product_attention_backward(d16, q16, k16, v16, fb, b).grad_attn_mask.to_vector())
+          << describe(c) << " bf16 kernel " << kernel;
+    }
   }
 }
 
-// The gradient has the mask's dtype: bf16 inputs with a bf16 mask (the widened float32 kernel
-// computes it, also where the native bf16 backward would run), a float64 mask on float32 inputs,
-// and float64 throughout (the float64 path).
-TEST(MaskGradDtypes, TheMasksOwnDtype) {
+// The gradient has the mask's dtype: bf16 inputs with a bf16 mask (every kernel that takes bf16,
+// cpu.flash.avx512_bf16 forced by name running its native backward where the CPU has the unit),
+// a float64 mask on float32 inputs, and float64 throughout (the float64 path).
+TEST(MaskGradDtypes, Bf16InputsAndMaskOnEveryBf16Kernel) {
+  for (const MaskCase& c : {MaskCase{1, 2, 2, 24, 40, 32, {1, 2, 24, 40}},
+                            MaskCase{2, 4, 2, 70, 90, 16, {2, 1, 70, 90}, 0.2f},  // GQA, dropout, broadcast
+                            MaskCase{1, 2, 1, 150, 650, 16, {1, 1, 150, 650}}}) {  // key ranges
+    const Problem pr = make_problem(c, 4);
+    const reference::SdpaGradsF64 truth =
+        reference::scaled_dot_product_attention_backward_f64(pr.dout, pr.q, pr.k, pr.v, pr.options);
+    double scale = 0;
+    for (double x : truth.grad_attn_mask) scale = std::max(scale, std::fabs(x));
+    const Tensor q16 = pr.q.to(DType::kBFloat16), k16 = pr.k.to(DType::kBFloat16), v16 = pr.v.to(DType::kBFloat16);
+    const Tensor d16 = pr.dout.to(DType::kBFloat16), m16 = pr.mask.to(DType::kBFloat16);
+    // The truth of the bf16 values widened: what float32 work rounded to bf16 once approaches.
+    const Tensor q32 = q16.to(DType::kFloat32), k32 = k16.to(DType::kFloat32), v32 = v16.to(DType::kFloat32);
+    const Tensor m32 = m16.to(DType::kFloat32);
+    SdpaOptions t = pr.options;
+    t.attn_mask = AttnMask::additive(m32);
+    const reference::SdpaGradsF64 t16 =
+        reference::scaled_dot_product_attention_backward_f64(d16.to(DType::kFloat32), q32, k32, v32, t);
+    std::vector<std::string> kernels = test::runnable_kernels_for(DType::kBFloat16);
+    kernels.push_back("");
+    for (const std::string& kernel : kernels) {
+      SdpaOptions o = pr.options;
+      o.kernel = kernel;
+      o.attn_mask = AttnMask::additive(m16);
+      if (test::decode_refuses(kernel, q16, k16, v16, o)) continue;
+      const SdpaResult f = scaled_dot_product_attention(q16, k16, v16, o);
+      const SdpaGrads g = scaled_dot_product_attention_backward(d16, q16, k16, v16, f, o);
+      ASSERT_EQ(g.grad_attn_mask.dtype(), DType::kBFloat16) << kernel;
+      ASSERT_EQ(g.grad_attn_mask.shape(), c.mask);
+      const std::vector<float> got = g.grad_attn_mask.to(DType::kFloat32).to_vector();
+      for (size_t e = 0; e < got.size(); ++e) {
+        EXPECT_NEAR(got[e], t16.grad_attn_mask[e], std::fabs(t16.grad_attn_mask[e]) / 128 + 1e-5 * scale)
+            << describe(c) << " kernel " << kernel << " element " << e;
+      }
+    }
+  }
+}
+
+// A float64 mask on float32 inputs, and float64 throughout (the float64 path).
+TEST(MaskGradDtypes, Float64MaskAndFloat64Inputs) {
   const MaskCase c{1, 2, 2, 24, 40, 32, {1, 2, 24, 40}};
   const Problem pr = make_problem(c, 4);
   const reference::SdpaGradsF64 truth =
       reference::scaled_dot_product_attention_backward_f64(pr.dout, pr.q, pr.k, pr.v, pr.options);
   double scale = 0;
   for (double x : truth.grad_attn_mask) scale = std::max(scale, std::fabs(x));
-
-  const Tensor q16 = pr.q.to(DType::kBFloat16), k16 = pr.k.to(DType::kBFloat16), v16 = pr.v.to(DType::kBFloat16);
-  const Tensor d16 = pr.dout.to(DType::kBFloat16), m16 = pr.mask.to(DType::kBFloat16);
-  std::vector<std::string> kernels = test::runnable_kernels_for(DType::kBFloat16);
-  kernels.push_back("");
-  for (const std::string& kernel : kernels) {
-    if (test::decode_refuses(kernel, q16, k16, v16, pr.options)) continue;
-    SdpaOptions o = pr.options;
-    o.kernel = kernel;
-    o.attn_mask = AttnMask::additive(m16);
-    const SdpaResult f = scaled_dot_product_attention(q16, k16, v16, o);
-    const SdpaGrads g = scaled_dot_product_attention_backward(d16, q16, k16, v16, f, o);
-    ASSERT_EQ(g.grad_attn_mask.dtype(), DType::kBFloat16) << kernel;
-    ASSERT_EQ(g.grad_attn_mask.shape(), c.mask);
-    // Against the truth of the bf16 values widened: float32 work rounded to bf16 once.
-    const Tensor q32 = q16.to(DType::kFloat32), k32 = k16.to(DType::kFloat32), v32 = v16.to(DType::kFloat32);
-    SdpaOptions t = o;
-    const Tensor m32 = m16.to(DType::kFloat32);
-    t.attn_mask = AttnMask::additive(m32);
-    t.kernel = "";
-    const reference::SdpaGradsF64 t16 =
-        reference::scaled_dot_product_attention_backward_f64(d16.to(DType::kFloat32), q32, k32, v32, t);
-    const std::vector<float> got = g.grad_attn_mask.to(DType::kFloat32).to_vector();
-    for (size_t e = 0; e < got.size(); ++e) {
-      EXPECT_NEAR(got[e], t16.grad_attn_mask[e], std::fabs(t16.grad_attn_mask[e]) / 128 + 1e-5 * scale)
-          << kernel << " element " << e;
-    }
-  }
-
   SdpaOptions o = pr.options;
   const Tensor m64 = pr.mask.to(DType::kFloat64);
   o.attn_mask = AttnMask::additive(m64);
@@ -262,6 +286,31 @@ TEST(MaskGradDtypes, TheMasksOwnDtype) {
   ASSERT_EQ(g64.grad_attn_mask.dtype(), DType::kFloat64);
   const double* gd = g64.grad_attn_mask.data_as<double>();
   for (size_t e = 0; e < truth.grad_attn_mask.size(); ++e) EXPECT_NEAR(gd[e], truth.grad_attn_mask[e], 1e-12 * scale);
+}
+
+// A NaN value at a key the bias hides from every query (a -inf column) reaches no gradient: the
+// mask's gradient equals that of the same problem with the value finite (docs/NUMERICS.md).
+TEST(MaskGradNumerics, NanValueAtAHiddenKeyDoesNotLeak) {
+  const MaskCase c{1, 2, 2, 20, 30, 16, {1, 2, 20, 30}};
+  Problem pr = make_problem(c, 6);
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t i = 0; i < 20; ++i) pr.mask.at({0, h, i, 11}) = -INFINITY;
+  }
+  const Tensor finite = pr.v.contiguous();
+  for (int64_t h = 0; h < 2; ++h) pr.v.at({0, h, 11, 3}) = NAN;
+  std::vector<std::string> kernels = test::runnable_fused_kernels();
+  kernels.push_back("reference");
+  for (const std::string& kernel : kernels) {
+    SdpaOptions o = pr.options;
+    o.kernel = kernel;
+    if (test::decode_refuses(kernel, pr.q, pr.k, pr.v, o)) continue;
+    const SdpaResult fn = scaled_dot_product_attention(pr.q, pr.k, pr.v, o);
+    const SdpaResult ff = scaled_dot_product_attention(pr.q, pr.k, finite, o);
+    const std::vector<float> with_nan = scaled_dot_product_attention_backward(pr.dout, pr.q, pr.k, pr.v, fn, o).grad_attn_mask.to_vector();
+    const std::vector<float> without = scaled_dot_product_attention_backward(pr.dout, pr.q, pr.k, finite, ff, o).grad_attn_mask.to_vector();
+    for (float x : with_nan) ASSERT_TRUE(std::isfinite(x)) << kernel;
+    EXPECT_EQ(with_nan, without) << kernel;
+  }
 }
 
 TEST(MaskGradErrors, NeedsAnAdditiveMask) {

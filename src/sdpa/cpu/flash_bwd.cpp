@@ -208,6 +208,8 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
   const TensorView &q = in.q, &k = in.k, &v = in.v, &dout = in.dout, &out = in.out, &lse = in.lse;
   Tensor dq = Tensor::empty(q.shape()), dk = Tensor::zeros(k.shape()), dv = Tensor::zeros(v.shape());
   const FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
+  std::optional<detail::MaskGradRows> dmask;
+  if (options.need_attn_mask_grad) dmask.emplace(p, options.attn_mask->values, cores);
   auto bits = [](const TensorView& t, int64_t off) { return static_cast<const uint16_t*>(t.raw_data()) + off; };
   std::vector<float> dd(static_cast<size_t>(p.batch * p.L));
   auto fill = [&](int64_t b) {
@@ -222,6 +224,7 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
     if (p.mask.defined()) h.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b);
     h.dk = dk.data() + detail::kv_lead_offset(dk, p, b);
     h.dv = dv.data() + detail::kv_lead_offset(dv, p, b);
+    h.dmask = dmask ? dmask->rows() + b * p.L * p.S : nullptr;
     h.bh = b + p.bh_base;
     return h;
   };
@@ -273,7 +276,7 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
   }
   run_backward_items(p, fp, cores, kernel.backward_workspace_bytes(p.L, p.E, p.Ev), dq.data(), fill,
                      [&](const FlashBwdHead& h, float* ws) { kernel.backward(fp, h, ws); });
-  return {dq.to(p.dtype), dk.to(p.dtype), dv.to(p.dtype), Tensor(), Tensor()};
+  return {dq.to(p.dtype), dk.to(p.dtype), dv.to(p.dtype), Tensor(), dmask ? dmask->finish(cores) : Tensor()};
 }
 
 }  // namespace attn::cpu

@@ -27,7 +27,8 @@
 // Ep, Evp: E, Ev rounded up to 16; E2, Ev2: halves rounded up. Padded queries have P = 0 and zero
 // rows in qp/dop, padded columns are zero: they add nothing.
 // Memory traffic per key group: Q, dO (packed twice each, bf16) and the float32 dQ rows stream
-// once, as in the float32 kernel, at half its bytes for the inputs.
+// once, as in the float32 kernel, at half its bytes for the inputs. With the mask's gradient
+// asked for (h.dmask), each visible score's float32 dS is also written once into (L, S) rows.
 //
 // Numerics: S and dP are products of bf16 inputs, exact in float32. P (for dV) and dS (for dQ and
 // dK) enter their products as two bf16 terms (hi + lo, 16 significant bits or more; two vdpbf16ps
@@ -348,6 +349,18 @@ void backward(const FlashBwdParams& p, const FlashBwdHead& h, void* ws) {
           block_operands<true>(st, pd, dpt, nk, d0, d1, scale, ops);
         } else {
           block_operands<false>(st, pd, dpt, nk, d0, d1, scale, ops);
+        }
+        // The mask's gradient (h.dmask): dS before the scale, in float32 as the float32 kernels
+        // form it, written once into the head's (L, S) rows.
+        if (h.dmask != nullptr) {
+          for (int64_t q = 0; q < qb.nq; ++q) {
+            float* row = h.dmask + (i0 + q) * p.S + j0;
+            const float d = dd[i0 + q];
+            for (int64_t jj = 0; jj < nk; ++jj) {
+              const float pv = st[jj * kBQ + q];
+              row[jj] = pv == 0.0f ? 0.0f : pv * (dpt[jj * kBQ + q] - d);
+            }
+          }
         }
         // The second terms, or none (pairs_update then does one product per pair).
         const uint32_t* pl = p.reduction ? nullptr : ppl;
