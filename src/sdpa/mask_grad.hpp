@@ -42,7 +42,8 @@ class MaskGradRows {
 // The float64 reference's version: dS rows in double, summed to the mask's shape (row-major).
 std::vector<double> reduce_mask_grad(const double* ds, const SdpaProblem& p, const TensorView& mask);
 
-// The float64 sums above as a tensor of the mask's shape and dtype, rounded once.
+// The float64 sums above as a tensor of the mask's shape and dtype (a 16-bit dtype rounded
+// through float32, as in finish()).
 Tensor mask_grad_tensor(const std::vector<double>& sums, const TensorView& mask);
 
 }  // namespace attn::detail

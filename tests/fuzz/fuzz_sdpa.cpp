@@ -24,6 +24,8 @@
 //  * Shapes of output, attn_weights and lse are as documented, present exactly when asked for.
 //  * One valid problem in four again with q, k, v rounded to bfloat16 and float16, on kAuto and
 //    every runnable kernel taking the dtype (see "16-bit inputs" at the end of run()).
+//  * One valid problem in four (other seed bits) through the float32 backward, the additive
+//    mask's gradient included: fuzz_sdpa_backward.hpp lists its properties.
 //  * Fused output, weights and lse are bit-identical for 1 and 2 threads; kAuto gives the
 //    fused result (the reference's with torch dropout).
 //  * A row whose every key is masked (causal, window, boolean 0, or additive -inf on finite
@@ -78,6 +80,7 @@
 #include "attn/attn.hpp"
 #include "attn/philox.hpp"
 #include "fuzz_util.hpp"
+#include "fuzz_sdpa_backward.hpp"
 #if defined(ATTN_FUZZ_AMX_EMULATED)
 #include "sdpa/cpu/amx_emulated.hpp"
 #include "sdpa/problem.hpp"
@@ -946,6 +949,7 @@ void run(ByteReader& in) {
                  fl.empty() ? NAN : fl[row]);
   };
 
+  double delta_max = 0;  // for the backward's bound
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t kb = (b / p.Hq) * p.Hkv + (b % p.Hq) / p.group;
     for (int64_t i = 0; i < L; ++i) {
@@ -980,6 +984,7 @@ void run(ByteReader& in) {
       if (o.sinks) variants += 4 * std::fabs(static_cast<double>(sink_of[b]));
       if (cap > 0) variants += amax + 8 * std::min(cap, infinite_score ? cap : amax);
       const double delta = kU * ((E + 6) * amax + 4 * madd + 8 + variants) + cap * 0x1p-149;
+      delta_max = std::max(delta_max, delta);
       for (int64_t j = 0; j < S && !all_masked; ++j) {
         if (v_row_finite[static_cast<size_t>(kb * S + j)]) continue;
         if (philox && !philox_dropout_keep(o.dropout_seed, o.dropout_offset, b, i, j, o.dropout_p)) continue;
@@ -1094,6 +1099,29 @@ void run(ByteReader& in) {
         }
       }
     }
+  }
+
+  // ---- float32 backward (fuzz_sdpa_backward.hpp) -------------------------------------------------
+  // One valid problem in four (by its value seed's next two bits), on the kernel the problem
+  // forces, with the mask's gradient whenever the mask is additive. Torch-stream dropout has no
+  // fused backward (its masks cannot be replayed): the forward above already checks the refusal.
+  if (!torch_dropout && ((p.value_seed >> 2) & 3) == 0) {
+    attn::fuzz::BackwardCase bc;
+    bc.q = q.view, bc.k = k.view, bc.v = v.view;
+    bc.options = o;
+    bc.options.kernel = runnable_kernel(p.kernel);
+    bc.out_shape = out_shape;
+    bc.additive_mask = is_add;
+    bool finite = !overflow;
+    for (const std::vector<float>* xs : {&qx, &kx, &vx}) {
+      for (float x : *xs) finite = finite && std::isfinite(x);
+    }
+    if (is_add) for (float x : mx) finite = finite && (std::isfinite(x) || x == -kInf);
+    bc.moderate = finite;
+    bc.delta = delta_max;
+    bc.seed = p.value_seed;
+    bc.desc = desc;
+    attn::fuzz::check_f32_backward(bc);
   }
 
   // ---- 16-bit inputs -----------------------------------------------------------------------------
