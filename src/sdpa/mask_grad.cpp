@@ -69,23 +69,29 @@ void reduce(const T* rows, const Broadcast& bc, int64_t S, Out* out, int threads
 
 }  // namespace
 
-MaskGradRows::MaskGradRows(const SdpaProblem& p, const TensorView& mask, int threads)
+MaskGradRows::MaskGradRows(const SdpaProblem& p, const TensorView& mask, int threads, bool bf16_rows)
     : p_(p), mask_(mask), direct_(mask.dtype() != DType::kFloat64 && mask.numel() == p.batch * p.L * p.S) {
   // An element per score: the mask's row-major order is the rows' (its shape is lead + (L, S)
   // up to leading 1s), so its gradient is the rows themselves (rounded to a 16-bit dtype).
-  storage_ = direct_ && mask.dtype() == DType::kFloat32 ? Tensor::empty(mask.shape())
-                                                         : Tensor::empty({p.batch * p.L * p.S});
-  rows_ = storage_.data();
-  const int64_t n = p.batch * p.L * p.S, chunk = 1 << 16;
+  const bool own_dtype = direct_ && (mask.dtype() == DType::kFloat32 || (bf16_rows && mask.dtype() == DType::kBFloat16));
+  storage_ = own_dtype ? Tensor::empty(mask.shape(), mask.dtype()) : Tensor::empty({p.batch * p.L * p.S});
+  if (storage_.dtype() == DType::kBFloat16) {
+    rows_bf16_ = static_cast<uint16_t*>(storage_.raw_data());
+  } else {
+    rows_ = storage_.data();
+  }
+  char* bytes = static_cast<char*>(storage_.raw_data());
+  const int64_t item = storage_.element_size();
+  const int64_t n = p.batch * p.L * p.S * item, chunk = int64_t{1} << 18;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > chunk)
   for (int64_t c = 0; c < (n + chunk - 1) / chunk; ++c) {
-    std::memset(rows_ + c * chunk, 0, static_cast<size_t>(std::min(chunk, n - c * chunk)) * sizeof(float));
+    std::memset(bytes + c * chunk, 0, static_cast<size_t>(std::min(chunk, n - c * chunk)));
   }
 }
 
 Tensor MaskGradRows::finish(int threads) {
   const DType dt = mask_.dtype();
-  if (direct_) return dt == DType::kFloat32 ? std::move(storage_) : storage_.view(mask_.shape()).to(dt);
+  if (direct_) return storage_.dtype() == dt ? std::move(storage_) : storage_.view(mask_.shape()).to(dt);
   const Broadcast bc(p_, mask_);
   if (dt == DType::kFloat64) {
     Tensor out = Tensor::empty(mask_.shape(), dt);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -259,6 +260,17 @@ TEST(MaskGradDtypes, Bf16InputsAndMaskOnEveryBf16Kernel) {
         EXPECT_NEAR(got[e], t16.grad_attn_mask[e], std::fabs(t16.grad_attn_mask[e]) / 128 + 1e-5 * scale)
             << describe(c) << " kernel " << kernel << " element " << e;
       }
+      // Rounded once, however it is stored: the bf16 mask's gradient (written as bf16 by the
+      // native kernel where the mask has an element per score) has the bits of the same values'
+      // float32 mask's gradient rounded to bf16 afterwards.
+      SdpaOptions o32 = o;
+      o32.attn_mask = AttnMask::additive(m32);
+      const SdpaResult f32 = scaled_dot_product_attention(q16, k16, v16, o32);
+      const SdpaGrads g32 = scaled_dot_product_attention_backward(d16, q16, k16, v16, f32, o32);
+      ASSERT_EQ(g32.grad_attn_mask.dtype(), DType::kFloat32);
+      const Tensor rounded = g32.grad_attn_mask.to(DType::kBFloat16);
+      EXPECT_EQ(std::memcmp(rounded.raw_data(), g.grad_attn_mask.raw_data(), static_cast<size_t>(rounded.numel()) * 2), 0)
+          << describe(c) << " kernel " << kernel;
     }
   }
 }

@@ -208,8 +208,8 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
   const TensorView &q = in.q, &k = in.k, &v = in.v, &dout = in.dout, &out = in.out, &lse = in.lse;
   Tensor dq = Tensor::empty(q.shape()), dk = Tensor::zeros(k.shape()), dv = Tensor::zeros(v.shape());
   const FlashBwdParams fp = make_flash_bwd_params(p, options, q, k, v);
-  std::optional<detail::MaskGradRows> dmask;
-  if (options.need_attn_mask_grad) dmask.emplace(p, options.attn_mask->values, cores);
+  std::optional<detail::MaskGradRows> dmask;  // bf16 rows where the mask is bf16: rounded in the kernel
+  if (options.need_attn_mask_grad) dmask.emplace(p, options.attn_mask->values, cores, /*bf16_rows=*/true);
   auto bits = [](const TensorView& t, int64_t off) { return static_cast<const uint16_t*>(t.raw_data()) + off; };
   std::vector<float> dd(static_cast<size_t>(p.batch * p.L));
   auto fill = [&](int64_t b) {
@@ -224,7 +224,8 @@ SdpaGrads flash_backward_bf16(const Bf16BackwardKernel& kernel, const TensorView
     if (p.mask.defined()) h.mask = p.mask.data() + detail::lead_offset(p.mask, p.lead, b);
     h.dk = dk.data() + detail::kv_lead_offset(dk, p, b);
     h.dv = dv.data() + detail::kv_lead_offset(dv, p, b);
-    h.dmask = dmask ? dmask->rows() + b * p.L * p.S : nullptr;
+    h.dmask = dmask && dmask->rows() != nullptr ? dmask->rows() + b * p.L * p.S : nullptr;
+    h.dmask_bf16 = dmask && dmask->rows_bf16() != nullptr ? dmask->rows_bf16() + b * p.L * p.S : nullptr;
     h.bh = b + p.bh_base;
     return h;
   };

@@ -88,6 +88,9 @@ struct FlashBwdHead {
   // (L, S), row stride S: receives dS of the head's keys in [j_begin, j_end) where P != 0
   // (SdpaOptions::need_attn_mask_grad; the rest must be zero beforehand), or nullptr.
   float* dmask;
+  // The same as bf16 bits, rounded as they are written (the bf16 backward only; a bf16 mask with
+  // an element per score: the gradient itself), or nullptr. At most one of the two is set.
+  uint16_t* dmask_bf16;
   int64_t bh;         // flat batch*head index of the query head (dropout counter)
   float alibi2;       // the query head's ALiBi slope times log2(e) (0: none)
   int64_t j_begin, j_end;  // the key range; j_begin a multiple of the kernel's key group
