@@ -40,7 +40,7 @@ class MaskGradRows {
  private:
   const SdpaProblem& p_;
   TensorView mask_;
-  Tensor storage_;  // the float32 gradient itself (direct) or the buffer
+  Tensor storage_;  // the gradient itself (direct: float32, or bf16 with bf16_rows) or the float32 buffer
   bool direct_;
   float* rows_ = nullptr;
   uint16_t* rows_bf16_ = nullptr;

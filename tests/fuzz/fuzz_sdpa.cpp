@@ -323,13 +323,7 @@ Operand make_operand(const Shape& shape, int layout, std::deque<Tensor>& owned, 
 
 // ---- comparisons --------------------------------------------------------------------------------
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.defined() != b.defined()) return false;
-  if (!a.defined()) return true;
-  if (!(a.shape() == b.shape())) return false;
-  const std::vector<float> x = a.to_vector(), y = b.to_vector();
-  return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
-}
+using attn::fuzz::same_bits;  // fuzz_sdpa_backward.hpp
 
 bool same_result(const SdpaResult& a, const SdpaResult& b) {
   return same_bits(a.output, b.output) && same_bits(a.attn_weights, b.attn_weights) && same_bits(a.lse, b.lse);

@@ -48,7 +48,8 @@ struct BackwardCase {
   std::string desc;
 };
 
-inline bool same_bits_or_undefined(const Tensor& a, const Tensor& b) {
+// Same shape and bits, or both undefined.
+inline bool same_bits(const Tensor& a, const Tensor& b) {
   if (a.defined() != b.defined()) return false;
   if (!a.defined()) return true;
   if (!(a.shape() == b.shape())) return false;
@@ -124,11 +125,11 @@ inline void check_f32_backward(const BackwardCase& c) {
                    c.desc.c_str());
   ATTN_FUZZ_CHECKF(g1.grad_sinks.defined() == c.options.sinks.has_value(), "fused backward: grad_sinks; %s",
                    c.desc.c_str());
-  ATTN_FUZZ_CHECKF(same_bits_or_undefined(g1.grad_query, g2.grad_query) &&
-                       same_bits_or_undefined(g1.grad_key, g2.grad_key) &&
-                       same_bits_or_undefined(g1.grad_value, g2.grad_value) &&
-                       same_bits_or_undefined(g1.grad_attn_mask, g2.grad_attn_mask) &&
-                       same_bits_or_undefined(g1.grad_sinks, g2.grad_sinks),
+  ATTN_FUZZ_CHECKF(same_bits(g1.grad_query, g2.grad_query) &&
+                       same_bits(g1.grad_key, g2.grad_key) &&
+                       same_bits(g1.grad_value, g2.grad_value) &&
+                       same_bits(g1.grad_attn_mask, g2.grad_attn_mask) &&
+                       same_bits(g1.grad_sinks, g2.grad_sinks),
                    "fused backward differs between 1 and 2 threads; %s", c.desc.c_str());
   if (!c.moderate || !(c.delta <= 1.0)) return;
 
