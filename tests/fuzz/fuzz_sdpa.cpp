@@ -347,8 +347,19 @@ double err(double x, double t) {
 // forms its residual from one-term P): the same checks, but only a gross bound, 8x the
 // reference's error plus the floor (that mode's own rule, against a bf16 math reference, is
 // tests/sdpa/test_reduced_precision.cpp's).
+// An additive mask's gradient rides along on every one of these backwards, the mask given in
+// float32 or, with bf16_mask, rounded to bf16 (the query's dtype, as PyTorch's users give it; the
+// native kernel then rounds each dS as it writes it): the mask's dtype and shape, 1 and 2 threads
+// bit for bit, and on moderate problems each element x within twice the reference's largest error
+// (rounded to the mask's dtype) plus 4 bf16 units of |truth_x| (bf16 masks) plus
+// 2 (eps + 2^-14) T_x, T_x the first-order bound of fuzz_sdpa_backward.hpp (the sum over the
+// scores x collects of 2 P_ij |dO_i|_1 vmax inv_keep): 2^-14 because D = rowsum(dO * (O +
+// residual)) carries the float32 output to 16 significant bits only (2^-7 under
+// allow_fp16_bf16_reduction, whose residual is that of a one-term P, with the gross factor 8).
+// A planted 5 % error in the largest element of a bf16 mask's gradient is caught (1 % is under
+// the 4 units), 1 % in a float32 mask's.
 void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& ko,
-                         bool moderate, const std::string& desc) {
+                         bool moderate, bool bf16_mask, double delta, const std::string& desc) {
   auto must_not_throw = [&](const char* what, auto&& f) {
     try {
       f();
@@ -356,7 +367,16 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
       attn::fuzz::fuzz_fail("%s threw on valid arguments: %s\n  problem: %s", what, e.what(), desc.c_str());
     }
   };
+  const bool additive = ko.attn_mask && ko.attn_mask->kind == AttnMask::Kind::kAdditive && ko.attn_mask->values.defined();
+  Tensor mask16, mask16f;  // the bf16 mask, and its values in float32 for the reference and the truth
   SdpaOptions bo = ko;
+  if (additive && bf16_mask) {
+    mask16 = ko.attn_mask->values.to(DType::kBFloat16);
+    mask16f = mask16.to(DType::kFloat32);
+    bo.attn_mask = AttnMask::additive(mask16);
+  }
+  const DType mask_dtype = !additive ? DType::kFloat32 : bf16_mask ? DType::kBFloat16 : ko.attn_mask->values.dtype();
+  bo.need_attn_mask_grad = additive;
   bo.need_lse = true;
   bo.need_output_residual = !ko.kernel.starts_with("cpu.decode.");
   SdpaResult f;
@@ -400,15 +420,26 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
   ATTN_FUZZ_CHECKF(same_bits(g1.grad_query, g2.grad_query) && same_bits(g1.grad_key, g2.grad_key) &&
                        same_bits(g1.grad_value, g2.grad_value),
                    "bf16 backward '%s' differs between 1 and 2 threads; %s", ko.kernel.c_str(), desc.c_str());
+  for (const SdpaGrads* g : {&g1, &g0, &gr1, &gr0}) {
+    const Tensor& m = g->grad_attn_mask;
+    ATTN_FUZZ_CHECKF(m.defined() == additive && (!additive || (m.dtype() == mask_dtype && m.shape() == bo.attn_mask->values.shape())),
+                     "bf16 backward '%s': grad_attn_mask %s; %s", ko.kernel.c_str(),
+                     !m.defined() ? (additive ? "missing" : "none asked") : "dtype/shape", desc.c_str());
+  }
+  ATTN_FUZZ_CHECKF(same_bits(g1.grad_attn_mask, g2.grad_attn_mask) && same_bits(gr1.grad_attn_mask, gr2.grad_attn_mask),
+                   "bf16 backward '%s': grad_attn_mask differs between 1 and 2 threads; %s", ko.kernel.c_str(),
+                   desc.c_str());
   if (!moderate) return;
   for (const Tensor* t : {&g1.grad_query, &g1.grad_key, &g1.grad_value, &g0.grad_query, &g0.grad_key, &g0.grad_value,
                           &gr1.grad_query, &gr1.grad_key, &gr1.grad_value, &gr0.grad_query, &gr0.grad_key,
                           &gr0.grad_value}) {
     for (float x : t->to_vector()) if (!std::isfinite(x)) return;  // overflow of a moderate problem's gradient
   }
-  SdpaOptions ro = ko;
+  SdpaOptions ro = bo;
+  if (mask16f.defined()) ro.attn_mask = AttnMask::additive(mask16f);
   ro.kernel = "reference";
-  ro.need_lse = true;
+  ro.need_output_residual = false;
+  ro.num_threads = 0;
   const Tensor d32 = dout.to(DType::kFloat32), q32 = q.to(DType::kFloat32), k32 = k.to(DType::kFloat32),
                v32 = v.to(DType::kFloat32);
   reference::SdpaGradsF64 truth;
@@ -459,6 +490,66 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
   const double rows_per_kv = std::max<double>(1.0, static_cast<double>(q.numel() / E) / static_cast<double>(k.numel() / (S * E)));
   const double ds_units = 4 * 0x1p-24 * do_row * absmax(v) * scale_abs;
   const double cancel_dq = ds_units * absmax(k), cancel_dk = ds_units * absmax(q) * rows_per_kv;
+  if (additive && delta <= 1.0) {
+    // Per element x of the mask, a first-order bound of its float32 terms as in
+    // fuzz_sdpa_backward.hpp: T_x = sum over the scores it collects of 2 P_ij |dO_i|_1 vmax inv_keep
+    // (|dS_ij| <= that), P the float64 truth's without dropout.
+    SdpaOptions po = ro;
+    po.dropout_p = 0.0f;
+    po.need_weights = true;
+    po.need_attn_mask_grad = false;
+    reference::SdpaResultF64 plain;
+    must_not_throw("f64 forward truth (no dropout)", [&] { plain = reference::scaled_dot_product_attention_f64(q32, k32, v32, po); });
+    const float dp = ko.dropout_p;
+    const double inv_keep = dp > 0.0f && dp < 1.0f ? 1.0 / (1.0 - static_cast<double>(dp)) : 1.0;
+    const double vmax = absmax(v);
+    const Shape ms = bo.attn_mask->values.shape();
+    Shape target;
+    for (int d = 0; d < q.dim() - 2; ++d) target.push_back(q.size(d));
+    target.push_back(q.size(-2));
+    target.push_back(S);
+    const std::vector<int64_t> to_mask = attn::fuzz::broadcast_index(target, ms);
+    const std::vector<float> dx = dout.to_vector();
+    std::vector<double> bound(static_cast<size_t>(ms.numel()), 0.0);
+    for (size_t x = 0; x < to_mask.size(); ++x) {
+      const size_t row = x / static_cast<size_t>(S);
+      double d1 = 0;
+      for (int64_t e = 0; e < Ev; ++e) d1 += std::fabs(dx[row * static_cast<size_t>(Ev) + static_cast<size_t>(e)]);
+      bound[static_cast<size_t>(to_mask[x])] += 2 * plain.attn_weights[x] * d1 * vmax * inv_keep;
+    }
+    const std::vector<double>& t = truth.grad_attn_mask;
+    const std::vector<float> r = rg.grad_attn_mask.to(mask_dtype).to_vector();
+    const double terms = static_cast<double>(target.numel()) / static_cast<double>(std::max<int64_t>(1, ms.numel()));
+    const double u = 0x1p-24, eps = 2 * std::expm1(4 * delta) + static_cast<double>(Ev + 16) * u + (terms + 8) * u;
+    const double mask_ulp = mask_dtype == DType::kBFloat16 ? 0x1p-8 : 0.0;
+    const std::tuple<const Tensor*, const char*, double, double> masks[] = {
+        {&g1.grad_attn_mask, "d(mask)", 2.0, 0x1p-14},
+        {&g0.grad_attn_mask, "d(mask) (no output_residual)", 2.0, 0x1p-14},
+        {&gr1.grad_attn_mask, "d(mask) (allow_fp16_bf16_reduction)", 8.0, 0x1p-7},
+        {&gr0.grad_attn_mask, "d(mask) (allow_fp16_bf16_reduction, no output_residual)", 8.0, 0x1p-7}};
+    bool finite = r.size() == t.size();
+    double er = 0;
+    for (size_t x = 0; finite && x < t.size(); ++x) {
+      finite = std::isfinite(t[x]);
+      er = std::max(er, err(r[x], t[x]));
+    }
+    for (const auto& [got, what, factor, d_rel] : masks) {
+      if (!finite) break;
+      const std::vector<float> a = got->to_vector();
+      ATTN_FUZZ_CHECKF(a.size() == t.size(), "bf16 backward '%s' %s: %zu elements, truth %zu; %s", ko.kernel.c_str(),
+                       what, a.size(), t.size(), desc.c_str());
+      for (size_t x = 0; x < t.size(); ++x) {
+        const double e = err(a[x], t[x]);
+        const double tol = factor * er + 4 * mask_ulp * std::fabs(t[x]) + 2 * (eps + d_rel) * bound[x] + 1e-36;
+        if (!(e <= tol)) {
+          attn::fuzz::fuzz_fail("bf16 backward '%s' %s (%s mask): element %zu is %.9g, truth %.9g (error %.3g > %g * "
+                                "reference error %.3g + %.3g)\n  problem: %s", ko.kernel.c_str(), what,
+                                std::string(dtype_name(mask_dtype)).c_str(), x, static_cast<double>(a[x]), t[x], e,
+                                factor, er, tol, desc.c_str());
+        }
+      }
+    }
+  }
   for (const auto& [got, ref, t, what, factor] : sets) {
     const std::vector<float> a = got->to_vector(), r = ref->to(DType::kBFloat16).to_vector();
     double e = 0, er = 0, gmax = 0;
@@ -1227,7 +1318,10 @@ void run(ByteReader& in) {
                                 std::string(dtype_name(dtype)).c_str(), name.c_str(), e, ref_err, floor, desc.c_str());
         }
       }
-      if (dtype == DType::kBFloat16 && name != kAmxEmulated && !ko.need_weights) check_bf16_backward(q16, k16, v16, ko, moderate, desc);
+      if (dtype == DType::kBFloat16 && name != kAmxEmulated && !ko.need_weights) {
+        const bool bf16_mask = ((p.value_seed * 0x9E3779B97F4A7C15u) >> 63) != 0;  // a bit uncorrelated with the 3 tested
+        check_bf16_backward(q16, k16, v16, ko, moderate, bf16_mask, delta_max, desc);
+      }
     }
   }
 
