@@ -491,9 +491,9 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
   const double ds_units = 4 * 0x1p-24 * do_row * absmax(v) * scale_abs;
   const double cancel_dq = ds_units * absmax(k), cancel_dk = ds_units * absmax(q) * rows_per_kv;
   if (additive && delta <= 1.0) {
-    // Per element x of the mask, a first-order bound of its float32 terms as in
-    // fuzz_sdpa_backward.hpp: T_x = sum over the scores it collects of 2 P_ij |dO_i|_1 vmax inv_keep
-    // (|dS_ij| <= that), P the float64 truth's without dropout.
+    // Per element x of the mask, the first-order bound of its float32 terms that the float32 check
+    // uses (mask_grad_bound): T_x = sum over the scores it collects of 2 P_ij |dO_i|_1 vmax
+    // inv_keep (|dS_ij| <= that), P the float64 truth's without dropout.
     SdpaOptions po = ro;
     po.dropout_p = 0.0f;
     po.need_weights = true;
@@ -502,24 +502,12 @@ void check_bf16_backward(const Tensor& q, const Tensor& k, const Tensor& v, cons
     must_not_throw("f64 forward truth (no dropout)", [&] { plain = reference::scaled_dot_product_attention_f64(q32, k32, v32, po); });
     const float dp = ko.dropout_p;
     const double inv_keep = dp > 0.0f && dp < 1.0f ? 1.0 / (1.0 - static_cast<double>(dp)) : 1.0;
-    const double vmax = absmax(v);
-    const Shape ms = bo.attn_mask->values.shape();
-    Shape target;
-    for (int d = 0; d < q.dim() - 2; ++d) target.push_back(q.size(d));
-    target.push_back(q.size(-2));
-    target.push_back(S);
-    const std::vector<int64_t> to_mask = attn::fuzz::broadcast_index(target, ms);
-    const std::vector<float> dx = dout.to_vector();
-    std::vector<double> bound(static_cast<size_t>(ms.numel()), 0.0);
-    for (size_t x = 0; x < to_mask.size(); ++x) {
-      const size_t row = x / static_cast<size_t>(S);
-      double d1 = 0;
-      for (int64_t e = 0; e < Ev; ++e) d1 += std::fabs(dx[row * static_cast<size_t>(Ev) + static_cast<size_t>(e)]);
-      bound[static_cast<size_t>(to_mask[x])] += 2 * plain.attn_weights[x] * d1 * vmax * inv_keep;
-    }
+    const attn::fuzz::MaskGradBound mb = attn::fuzz::mask_grad_bound(
+        plain.attn_weights, dout.to_vector(), Ev, absmax(v), inv_keep, q.shape(), S, bo.attn_mask->values.shape());
+    const std::vector<double>& bound = mb.bound;
+    const double terms = mb.terms;
     const std::vector<double>& t = truth.grad_attn_mask;
     const std::vector<float> r = rg.grad_attn_mask.to(mask_dtype).to_vector();
-    const double terms = static_cast<double>(target.numel()) / static_cast<double>(std::max<int64_t>(1, ms.numel()));
     const double u = 0x1p-24, eps = 2 * std::expm1(4 * delta) + static_cast<double>(Ev + 16) * u + (terms + 8) * u;
     const double mask_ulp = mask_dtype == DType::kBFloat16 ? 0x1p-8 : 0.0;
     const std::tuple<const Tensor*, const char*, double, double> masks[] = {
